@@ -1,0 +1,28 @@
+// idem — the Asio front end: the same coordinator for coroutines on an io_context.
+//
+// This header pulls in Boost.Asio; include it only where coroutines call idem.
+#pragma once
+
+#include <utility>  // Boost 1.74's awaitable.hpp needs std::exchange declared first
+
+#include <boost/asio/awaitable.hpp>
+#include <functional>
+
+#include "idem/coordinator.hpp"
+
+namespace idem {
+
+using AsyncAction = std::function<boost::asio::awaitable<Response>()>;
+
+// Coordinator::call for coroutines: same decisions, same errors, same counters. A
+// duplicate under InFlight::wait suspends (it does not block the thread) until the
+// holder in this process completes or releases the key, its lease ends, or max_wait
+// passes; a holder in another process is polled with growing backoff.
+// The store is used synchronously from the calling coroutine.
+boost::asio::awaitable<Outcome> async_call(Coordinator& coordinator, Request request,
+                                           AsyncAction action);
+
+// Suspends the calling coroutine until `clock` reaches `at` (real or simulated time).
+boost::asio::awaitable<void> async_sleep_until(Clock& clock, TimePoint at);
+
+}  // namespace idem

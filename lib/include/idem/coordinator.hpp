@@ -1,0 +1,106 @@
+// idem — the coordinator: runs an action once per (tenant, operation, key).
+//
+//   idem::Coordinator idem(std::make_shared<idem::SqliteStore>("keys.db"), options);
+//   idem::Request req{.tenant = "alpha", .operation = "payment.charge",
+//                     .key = client_key, .fingerprint = idem::Fingerprint::of(body,
+//                     {"amount", "currency", "order_id"})};
+//   idem::Outcome out = idem.call(req, [&] { return charge(body); });
+//
+// The blocking call() is for threaded code; idem/asio.hpp has async_call() for
+// coroutines on an io_context. Both run the same decisions and share in-process waiters.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "idem/errors.hpp"
+#include "idem/fingerprint.hpp"
+#include "idem/key.hpp"
+#include "idem/metrics.hpp"
+#include "idem/options.hpp"
+#include "idem/response.hpp"
+#include "idem/store.hpp"
+
+namespace idem {
+
+struct Request {
+  std::string tenant;
+  std::string operation;
+  std::optional<std::string> key;  // nullopt: the client sent none (Options::missing_key)
+  Fingerprint fingerprint;         // of the request's significant fields
+  std::optional<InFlight> in_flight{};  // per-call override of Options::in_flight
+};
+
+struct Outcome {
+  enum class Source {
+    executed,     // the action ran for this call and its response is stored
+    replayed,     // a stored response; the action did not run for this call
+    unprotected,  // the action ran without the store (fail_open, or no key)
+  };
+  Response response;
+  Source source = Source::executed;
+  bool replayed() const noexcept { return source == Source::replayed; }
+};
+
+// Thread-safety: a Coordinator is safe for concurrent use from many threads and
+// coroutines. Several coordinators (in one process or several) may share one database;
+// only those in the same process wake each other without polling.
+class Coordinator {
+ public:
+  // Throws idem::error(errc::invalid_argument) naming the option if `options` breaks a
+  // rule (TTL under a minute, lease not shorter than a TTL, heartbeat not shorter than the
+  // lease, non-positive waits, inline_body_limit without payload_store).
+  Coordinator(std::shared_ptr<Store> store, Options options);
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  // Runs `action` at most once per (tenant, operation, key) while a reservation holds,
+  // and returns its response, or the stored response of the request that ran it.
+  //
+  // - Stored responses (any status the action returned, a 402 included) replay byte for
+  //   byte with Outcome::Source::replayed.
+  // - If `action` throws, the reservation is released and the exception propagates: the
+  //   next call with this key really runs again.
+  // Throws:
+  //   InvalidKeyError   - key, tenant or operation breaks SPEC §1, or the key is missing
+  //                       under MissingKey::reject. Nothing ran, nothing stored.
+  //   KeyReuseError     - a live record of this key has another fingerprint.
+  //   InProgressError   - another request holds the key (InFlight::raise), or it still
+  //                       held it after max_wait (InFlight::wait).
+  //   LeaseLostError    - the action ran, but this caller's lease was taken over in the
+  //                       meantime; the new owner's record stands.
+  //   StoreError        - the store failed under FailureMode::fail_closed (action not run).
+  // A store failure after the action ran is logged and counted, not thrown: the response
+  // is returned and the key stays reserved until its lease ends.
+  Outcome call(const Request& request, const std::function<Response()>& action);
+
+  // Deletes every record that no longer counts, in batches of `batch` records, each its
+  // own short transaction. Returns how many were deleted. Throws StoreError.
+  std::size_t purge_expired(std::size_t batch = 500);
+
+  // Reports (log event "reaped", counter) and deletes in_progress records whose lease
+  // ended more than Options::reap_after ago. Throws StoreError.
+  std::vector<ReapedRecord> reap(std::size_t batch = 500);
+
+  // The TTL for `operation` (ttl_by_operation, else ttl).
+  std::chrono::milliseconds ttl_for(std::string_view operation) const;
+
+  MetricsSnapshot metrics() const;
+  const Options& options() const noexcept;
+  Clock& clock() const noexcept;
+  Store& store() const noexcept;
+
+  struct Impl;  // shared with the Asio front end (idem/asio.hpp)
+  Impl& impl() noexcept { return *impl_; }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace idem

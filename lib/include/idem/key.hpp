@@ -1,0 +1,50 @@
+// idem — the identity of a key (SPEC §1).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <string_view>
+
+namespace idem {
+
+// A key is the triple (tenant, operation, key); the store's uniqueness is on all three.
+//  - tenant isolates customers: equal keys of two tenants are unrelated records;
+//  - operation is the scope ("payment.charge"): one client key under two operations
+//    makes two records;
+//  - key is the client's idempotency key.
+struct KeyId {
+  std::string tenant;
+  std::string operation;
+  std::string key;
+
+  friend bool operator==(const KeyId&, const KeyId&) = default;
+};
+
+// The longest key, tenant or operation accepted, in bytes.
+inline constexpr std::size_t kMaxKeyBytes = 255;
+
+// Checks one part of a key: 1..255 bytes, each printable ASCII (0x20..0x7E).
+// Throws InvalidKeyError naming `field` and the broken rule ("is empty", "is longer than
+// 255 bytes", "contains a control byte (0x0a) at offset 3", "contains a non-ASCII byte
+// (0xc3) at offset 0", "contains a NUL byte at offset 5"). Touches nothing else.
+void validate_key_part(std::string_view field, std::string_view value);
+
+// validate_key_part for tenant, operation and key, in that order.
+void validate(const KeyId& id);
+
+// A short, stable hash of the whole triple (12 lowercase hex digits of its SHA-256) for
+// logs and metrics, which never print a client's key.
+std::string short_hash(const KeyId& id);
+
+// A key for a downstream system derived deterministically from the record (SPEC §7):
+// identical on every retry and after a restart, different for every (tenant, operation,
+// key), and free of the client's raw key. `step` names the downstream call ("charge").
+// Result: "idem_<32 hex digits>:<step>".
+std::string derived_key(const KeyId& id, std::string_view step);
+
+struct KeyIdHash {
+  std::size_t operator()(const KeyId& id) const noexcept;
+};
+
+}  // namespace idem

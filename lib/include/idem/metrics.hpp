@@ -1,0 +1,30 @@
+// idem — counters for every decision the coordinator makes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace idem {
+
+// A consistent-enough copy of the counters (each read atomically, not all at one instant).
+struct MetricsSnapshot {
+  std::uint64_t reserved = 0;               // fresh reservations (the action will run)
+  std::uint64_t taken_over = 0;             // reservations that took over an expired lease
+  std::uint64_t executed = 0;               // actions run under a reservation (or InFlight::run)
+  std::uint64_t completed = 0;              // results stored
+  std::uint64_t replayed = 0;               // stored results returned without running
+  std::uint64_t waited = 0;                 // calls that waited for another request
+  std::uint64_t in_progress_conflicts = 0;  // InProgressError raised
+  std::uint64_t key_reuse = 0;              // KeyReuseError raised
+  std::uint64_t released = 0;               // reservations released after a failed action
+  std::uint64_t lease_lost = 0;             // complete/release/renew with a stale token
+  std::uint64_t store_errors = 0;           // StoreError seen, whatever came of it
+  std::uint64_t ran_unprotected = 0;        // actions run without the store
+  std::uint64_t purged = 0;                 // expired records deleted
+  std::uint64_t reaped = 0;                 // abandoned reservations cleared
+
+  // Prometheus text exposition, each counter as idem_<name>_total.
+  std::string to_prometheus() const;
+};
+
+}  // namespace idem

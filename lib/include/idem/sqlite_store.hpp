@@ -1,0 +1,67 @@
+// idem — the SQLite store.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "idem/store.hpp"
+
+namespace idem {
+
+// SQLite's synchronous setting in WAL mode.
+//  - normal: a commit is durable once the WAL is checkpointed or the next sync; a power
+//    loss may roll back the last transactions, never corrupt the file. An application
+//    crash loses nothing.
+//  - full: every commit is synced to disk before it returns; survives power loss.
+enum class Synchronous { normal, full };
+
+struct SqliteOptions {
+  // How long a statement waits for another connection's write lock before the store
+  // reports StoreError (SQLITE_BUSY). Default: 5 s.
+  std::chrono::milliseconds busy_timeout{5000};
+  // Default: Synchronous::normal.
+  Synchronous synchronous = Synchronous::normal;
+};
+
+// A Store on one SQLite database file in WAL mode, shared safely by threads of this
+// process (one connection behind a mutex) and by other processes opening the same file.
+// The schema is versioned with PRAGMA user_version and migrated on open.
+//
+// Thread-safety: safe for concurrent use.
+class SqliteStore final : public Store {
+ public:
+  // Opens (creating if needed) `path`, sets WAL, busy handling and synchronous, migrates
+  // the schema and prepares every statement. ":memory:" gives a private in-memory store.
+  // Throws StoreError if the file cannot be opened or its schema is newer than this
+  // library knows; then no SqliteStore exists.
+  explicit SqliteStore(const std::string& path, SqliteOptions options = {});
+  ~SqliteStore() override;
+  SqliteStore(const SqliteStore&) = delete;
+  SqliteStore& operator=(const SqliteStore&) = delete;
+
+  // The schema version this library writes.
+  static int schema_version() noexcept;
+
+  Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                      TimePoint lease_until, TimePoint expires_at) override;
+  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                TimePoint expires_at) override;
+  bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
+  bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
+  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
+  std::optional<Record> load(const KeyId& id) override;
+  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                        const StoredResponse& response, TimePoint now,
+                                        TimePoint expires_at) override;
+  std::size_t purge_expired(TimePoint now, std::size_t limit) override;
+  std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
+
+ private:
+  struct Impl;
+  std::mutex mutex_;            // serialises every use of impl_'s connection
+  std::unique_ptr<Impl> impl_;  // guarded by mutex_
+};
+
+}  // namespace idem

@@ -1,0 +1,114 @@
+// Every SQL statement idem runs, as named constants. SqliteStore prepares them all when it
+// opens, so a typo fails the first test that opens a store.
+#pragma once
+
+#include <array>
+#include <string_view>
+
+namespace idem::sql {
+
+// Migrations, applied in order inside one BEGIN IMMEDIATE transaction; the database's
+// PRAGMA user_version is how many have run. Append, never edit.
+inline constexpr std::array<std::string_view, 1> kMigrations = {
+    // v1: one record per (tenant, operation, key). state: 1 in_progress, 2 completed,
+    // 3 released. Times are milliseconds since the Unix epoch. The partial indexes serve
+    // purge (records that no longer count) and the reaper (abandoned reservations).
+    R"sql(
+CREATE TABLE idem_keys (
+  tenant         TEXT    NOT NULL,
+  operation      TEXT    NOT NULL,
+  key            TEXT    NOT NULL,
+  fingerprint    BLOB    NOT NULL CHECK (length(fingerprint) = 32),
+  state          INTEGER NOT NULL CHECK (state IN (1, 2, 3)),
+  token          INTEGER NOT NULL,
+  lease_until    INTEGER NOT NULL,
+  created_at     INTEGER NOT NULL,
+  expires_at     INTEGER NOT NULL,
+  status         INTEGER,
+  headers        TEXT,
+  body           BLOB,
+  body_ref       TEXT,
+  recovery_point TEXT,
+  PRIMARY KEY (tenant, operation, key)
+) STRICT, WITHOUT ROWID;
+CREATE INDEX idem_keys_expired ON idem_keys (expires_at) WHERE state <> 1;
+CREATE INDEX idem_keys_leases ON idem_keys (lease_until) WHERE state = 1;
+)sql",
+};
+
+inline constexpr std::string_view kBeginImmediate = "BEGIN IMMEDIATE";
+inline constexpr std::string_view kCommit = "COMMIT";
+inline constexpr std::string_view kRollback = "ROLLBACK";
+
+// ?1 tenant ?2 operation ?3 key ?4 fingerprint ?5 token (= now) ?6 lease_until ?7 now
+// ?8 expires_at. A row comes back only if the key was absent.
+inline constexpr std::string_view kReserve = R"sql(
+INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at)
+VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?8)
+ON CONFLICT (tenant, operation, key) DO NOTHING
+RETURNING token)sql";
+
+// Replaces a record that no longer counts with a new reservation. ?4 fingerprint
+// ?5 new token ?6 lease_until ?7 now ?8 expires_at ?9 recovery point to keep (or NULL)
+// ?10 the token read in the same transaction.
+inline constexpr std::string_view kReplaceDead = R"sql(
+UPDATE idem_keys
+SET fingerprint = ?4, state = 1, token = ?5, lease_until = ?6, created_at = ?7, expires_at = ?8,
+    status = NULL, headers = NULL, body = NULL, body_ref = NULL, recovery_point = ?9
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?10)sql";
+
+inline constexpr std::string_view kLoad = R"sql(
+SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
+       body_ref, recovery_point
+FROM idem_keys WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
+
+// ?4 token ?5 status ?6 headers ?7 body ?8 body_ref ?9 expires_at
+inline constexpr std::string_view kComplete = R"sql(
+UPDATE idem_keys
+SET state = 2, status = ?5, headers = ?6, body = ?7, body_ref = ?8, expires_at = ?9
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+
+// ?4 token ?5 now
+inline constexpr std::string_view kRelease = R"sql(
+UPDATE idem_keys SET state = 3, expires_at = ?5
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+
+// ?4 token ?5 lease_until
+inline constexpr std::string_view kRenew = R"sql(
+UPDATE idem_keys SET lease_until = ?5
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+
+// ?4 token ?5 recovery point
+inline constexpr std::string_view kSetRecoveryPoint = R"sql(
+UPDATE idem_keys SET recovery_point = ?5
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+
+// InFlight::run: a completed record straight away. ?4 fingerprint ?5 token (= now)
+// ?6 now ?7 expires_at ?8 status ?9 headers ?10 body ?11 body_ref
+inline constexpr std::string_view kInsertCompleted = R"sql(
+INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at,
+                       expires_at, status, headers, body, body_ref)
+VALUES (?1, ?2, ?3, ?4, 2, ?5, ?6, ?6, ?7, ?8, ?9, ?10, ?11)
+ON CONFLICT (tenant, operation, key) DO NOTHING
+RETURNING token)sql";
+
+// ?1 now ?2 limit
+inline constexpr std::string_view kPurge = R"sql(
+DELETE FROM idem_keys
+WHERE (tenant, operation, key) IN (
+  SELECT tenant, operation, key FROM idem_keys
+  WHERE state <> 1 AND expires_at <= ?1
+  ORDER BY expires_at LIMIT ?2))sql";
+
+// ?1 lease ended before ?2 limit
+inline constexpr std::string_view kReap = R"sql(
+DELETE FROM idem_keys
+WHERE (tenant, operation, key) IN (
+  SELECT tenant, operation, key FROM idem_keys
+  WHERE state = 1 AND lease_until < ?1
+  ORDER BY lease_until LIMIT ?2)
+RETURNING tenant, operation, key, token, lease_until)sql";
+
+inline constexpr std::string_view kUserVersion = "PRAGMA user_version";
+
+}  // namespace idem::sql

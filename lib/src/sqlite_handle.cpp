@@ -1,0 +1,141 @@
+#include "sqlite_handle.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "idem/errors.hpp"
+
+namespace idem::detail {
+namespace {
+
+// SQLite calls this with the number of earlier calls for the same lock. Sleeps 50 µs,
+// doubling up to 1 ms, until the timeout; returning 0 makes the statement fail with BUSY.
+int on_busy(void* arg, int count) {
+  auto* policy = static_cast<BusyPolicy*>(arg);
+  const auto now = std::chrono::steady_clock::now();
+  if (count == 0) policy->started = now;
+  if (now - policy->started >= policy->timeout) return 0;
+  const auto step = std::chrono::microseconds(50) * (1 << std::min(count, 5));
+  std::this_thread::sleep_for(std::min<std::chrono::microseconds>(step, std::chrono::milliseconds(1)));
+  return 1;
+}
+
+}  // namespace
+
+void throw_sqlite(sqlite3* db, int rc, std::string_view what) {
+  const int code = db != nullptr ? sqlite3_extended_errcode(db) : rc;
+  const char* msg = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  throw StoreError(fmt::format("sqlite: {}: {} (code {})", what, msg, code), code);
+}
+
+Connection open_connection(const std::string& path, BusyPolicy* busy) {
+  sqlite3* raw = nullptr;
+  const int rc = sqlite3_open_v2(path.c_str(), &raw,
+                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
+                                 nullptr);
+  Connection db(raw);
+  if (rc != SQLITE_OK) throw_sqlite(raw, rc, fmt::format("open {}", path));
+  sqlite3_extended_result_codes(raw, 1);
+  sqlite3_busy_handler(raw, &on_busy, busy);
+  return db;
+}
+
+void exec(sqlite3* db, std::string_view sql) {
+  char* err = nullptr;
+  const int rc = sqlite3_exec(db, std::string(sql).c_str(), nullptr, nullptr, &err);
+  if (rc != SQLITE_OK) {
+    std::string msg = err != nullptr ? err : sqlite3_errstr(rc);
+    sqlite3_free(err);
+    throw StoreError(fmt::format("sqlite: {}: {} (code {})", sql.substr(0, 40), msg,
+                                 sqlite3_extended_errcode(db)),
+                     sqlite3_extended_errcode(db));
+  }
+}
+
+Statement::Statement(sqlite3* db, std::string_view sql) : db_(db) {
+  sqlite3_stmt* raw = nullptr;
+  const int rc = sqlite3_prepare_v3(db, sql.data(), static_cast<int>(sql.size()),
+                                    SQLITE_PREPARE_PERSISTENT, &raw, nullptr);
+  stmt_.reset(raw);
+  if (rc != SQLITE_OK) throw_sqlite(db, rc, fmt::format("prepare {}", sql.substr(0, 60)));
+}
+
+void Statement::bind(int index, std::string_view text) {
+  const int rc = sqlite3_bind_text(stmt_.get(), index, text.data(), static_cast<int>(text.size()),
+                                   SQLITE_STATIC);
+  if (rc != SQLITE_OK) throw_sqlite(db_, rc, "bind text");
+}
+
+void Statement::bind(int index, std::int64_t value) {
+  const int rc = sqlite3_bind_int64(stmt_.get(), index, value);
+  if (rc != SQLITE_OK) throw_sqlite(db_, rc, "bind int");
+}
+
+void Statement::bind_blob(int index, const void* data, std::size_t size) {
+  const int rc = sqlite3_bind_blob64(stmt_.get(), index, data, size, SQLITE_STATIC);
+  if (rc != SQLITE_OK) throw_sqlite(db_, rc, "bind blob");
+}
+
+void Statement::bind_null(int index) {
+  const int rc = sqlite3_bind_null(stmt_.get(), index);
+  if (rc != SQLITE_OK) throw_sqlite(db_, rc, "bind null");
+}
+
+bool Statement::step() {
+  const int rc = sqlite3_step(stmt_.get());
+  if (rc == SQLITE_ROW) return true;
+  if (rc == SQLITE_DONE) return false;
+  throw_sqlite(db_, rc, "step");
+}
+
+void Statement::reset() noexcept {
+  sqlite3_reset(stmt_.get());
+  sqlite3_clear_bindings(stmt_.get());
+}
+
+bool Statement::is_null(int column) const {
+  return sqlite3_column_type(stmt_.get(), column) == SQLITE_NULL;
+}
+
+std::int64_t Statement::int64(int column) const { return sqlite3_column_int64(stmt_.get(), column); }
+
+std::string Statement::text(int column) const {
+  const auto* p = sqlite3_column_text(stmt_.get(), column);
+  const int n = sqlite3_column_bytes(stmt_.get(), column);
+  return p != nullptr ? std::string(reinterpret_cast<const char*>(p), static_cast<std::size_t>(n))
+                      : std::string();
+}
+
+std::string Statement::blob(int column) const {
+  const void* p = sqlite3_column_blob(stmt_.get(), column);
+  const int n = sqlite3_column_bytes(stmt_.get(), column);
+  return p != nullptr ? std::string(static_cast<const char*>(p), static_cast<std::size_t>(n))
+                      : std::string();
+}
+
+Transaction::Transaction(Statement& begin, Statement& commit, Statement& rollback)
+    : commit_(commit), rollback_(rollback) {
+  ResetGuard reset(begin);
+  begin.step();
+}
+
+Transaction::~Transaction() {
+  if (done_) return;
+  try {
+    ResetGuard reset(rollback_);
+    rollback_.step();
+  } catch (const StoreError&) {
+    // The connection is already in trouble; SQLite rolls back on its own when a statement
+    // fails inside a transaction that cannot continue.
+  }
+}
+
+void Transaction::commit() {
+  ResetGuard reset(commit_);
+  commit_.step();
+  done_ = true;
+}
+
+}  // namespace idem::detail

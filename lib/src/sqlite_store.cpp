@@ -1,0 +1,338 @@
+#include "idem/sqlite_store.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "idem/errors.hpp"
+#include "sql.hpp"
+#include "sqlite_handle.hpp"
+
+namespace idem {
+namespace {
+
+using detail::ResetGuard;
+using detail::Statement;
+
+std::int64_t ms(TimePoint t) { return t.time_since_epoch().count(); }
+TimePoint at_ms(std::int64_t v) { return TimePoint(std::chrono::milliseconds(v)); }
+
+void bind_id(Statement& s, const KeyId& id) {
+  s.bind(1, id.tenant);
+  s.bind(2, id.operation);
+  s.bind(3, id.key);
+}
+
+void bind_fingerprint(Statement& s, int index, const Fingerprint& fp) {
+  s.bind_blob(index, fp.bytes().data(), fp.bytes().size());
+}
+
+std::string headers_to_json(const std::vector<Header>& headers) {
+  nlohmann::json arr = nlohmann::json::array();
+  for (const Header& h : headers) arr.push_back({h.name, h.value});
+  return arr.dump();
+}
+
+std::vector<Header> headers_from_json(const std::string& text) {
+  std::vector<Header> out;
+  if (text.empty()) return out;
+  for (const auto& pair : nlohmann::json::parse(text)) {
+    out.push_back({pair.at(0).get<std::string>(), pair.at(1).get<std::string>()});
+  }
+  return out;
+}
+
+// Binds status ?first, headers ?first+1, body ?first+2, body_ref ?first+3. The strings
+// bound are owned by `headers_json` and `response`, which outlive the statement's step.
+void bind_response(Statement& s, int first, const StoredResponse& r, const std::string& headers_json) {
+  s.bind(first, static_cast<std::int64_t>(r.response.status));
+  if (r.response.headers.empty()) {
+    s.bind_null(first + 1);
+  } else {
+    s.bind(first + 1, headers_json);
+  }
+  s.bind_blob(first + 2, r.response.body.data(), r.response.body.size());
+  if (r.body_ref.empty()) {
+    s.bind_null(first + 3);
+  } else {
+    s.bind(first + 3, r.body_ref);
+  }
+}
+
+}  // namespace
+
+struct SqliteStore::Impl {
+  detail::BusyPolicy busy;
+  detail::Connection db;
+  // Every statement, prepared once when the store opens and reused.
+  std::unique_ptr<Statement> begin, commit, rollback, reserve, replace_dead, load, complete,
+      release, renew, set_recovery_point, insert_completed, purge, reap;
+
+  Impl(const std::string& path, const SqliteOptions& options)
+      : busy{options.busy_timeout, {}}, db(detail::open_connection(path, &busy)) {
+    detail::exec(db.get(), "PRAGMA journal_mode=WAL");
+    detail::exec(db.get(), options.synchronous == Synchronous::full ? "PRAGMA synchronous=FULL"
+                                                                    : "PRAGMA synchronous=NORMAL");
+    auto make = [this](std::string_view sql) { return std::make_unique<Statement>(db.get(), sql); };
+    begin = make(sql::kBeginImmediate);
+    commit = make(sql::kCommit);
+    rollback = make(sql::kRollback);
+    migrate();
+    reserve = make(sql::kReserve);
+    replace_dead = make(sql::kReplaceDead);
+    load = make(sql::kLoad);
+    complete = make(sql::kComplete);
+    release = make(sql::kRelease);
+    renew = make(sql::kRenew);
+    set_recovery_point = make(sql::kSetRecoveryPoint);
+    insert_completed = make(sql::kInsertCompleted);
+    purge = make(sql::kPurge);
+    reap = make(sql::kReap);
+  }
+
+  void migrate() {
+    detail::Transaction tx(*begin, *commit, *rollback);
+    Statement version(db.get(), sql::kUserVersion);
+    version.step();
+    const auto current = version.int64(0);
+    const auto known = static_cast<std::int64_t>(sql::kMigrations.size());
+    if (current > known) {
+      throw StoreError(fmt::format("sqlite: database schema version {} is newer than this "
+                                   "library supports ({}); upgrade idem",
+                                   current, known),
+                       0);
+    }
+    for (auto v = current; v < known; ++v) {
+      detail::exec(db.get(), sql::kMigrations[static_cast<std::size_t>(v)]);
+    }
+    if (current != known) detail::exec(db.get(), fmt::format("PRAGMA user_version = {}", known));
+    tx.commit();
+  }
+
+  // Reads the current row of `load` (which must have stepped onto a row).
+  Record read_record() const {
+    const Statement& s = *load;
+    Record r;
+    const std::string fp = s.blob(0);
+    Fingerprint::Bytes bytes{};
+    std::copy_n(fp.begin(), std::min(fp.size(), bytes.size()), bytes.begin());
+    r.fingerprint = Fingerprint(bytes);
+    r.state = static_cast<State>(s.int64(1));
+    r.token = s.int64(2);
+    r.lease_until = at_ms(s.int64(3));
+    r.created_at = at_ms(s.int64(4));
+    r.expires_at = at_ms(s.int64(5));
+    if (!s.is_null(6)) r.response.status = static_cast<int>(s.int64(6));
+    if (!s.is_null(7)) r.response.headers = headers_from_json(s.text(7));
+    r.response.body = s.blob(8);
+    if (!s.is_null(9)) r.body_ref = s.text(9);
+    if (!s.is_null(10)) r.recovery_point = s.text(10);
+    return r;
+  }
+
+  std::optional<Record> load_record(const KeyId& id) {
+    ResetGuard reset(*load);
+    bind_id(*load, id);
+    if (!load->step()) return std::nullopt;
+    return read_record();
+  }
+
+  // Runs a token-checked UPDATE; true when it changed the row.
+  bool changed(Statement& s) {
+    s.step();
+    return sqlite3_changes(db.get()) == 1;
+  }
+};
+
+SqliteStore::SqliteStore(const std::string& path, SqliteOptions options)
+    : impl_(std::make_unique<Impl>(path, options)) {}
+
+SqliteStore::~SqliteStore() = default;
+
+int SqliteStore::schema_version() noexcept { return static_cast<int>(sql::kMigrations.size()); }
+
+Reservation SqliteStore::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                                 TimePoint lease_until, TimePoint expires_at) {
+  std::lock_guard lock(mutex_);
+  Impl& d = *impl_;
+  detail::Transaction tx(*d.begin, *d.commit, *d.rollback);
+  Reservation out;
+  {
+    Statement& s = *d.reserve;
+    ResetGuard reset(s);
+    bind_id(s, id);
+    bind_fingerprint(s, 4, fingerprint);
+    s.bind(5, ms(now));
+    s.bind(6, ms(lease_until));
+    s.bind(7, ms(now));
+    s.bind(8, ms(expires_at));
+    if (s.step()) {
+      out.token = s.int64(0);
+      s.step();  // finish the statement so the row is written before COMMIT
+      tx.commit();
+      return out;
+    }
+  }
+  std::optional<Record> existing = d.load_record(id);
+  if (!existing) throw StoreError("sqlite: reserve: conflicting row vanished", 0);
+  if (existing->live_at(now)) {
+    out.kind = Reservation::Kind::existing;
+    out.existing = std::move(existing);
+    tx.commit();
+    return out;
+  }
+  // The record no longer counts: replace it with our reservation. The token grows past
+  // every earlier token of this key, and past the clock, so a token stays unique even after
+  // a purge deleted the row.
+  const bool takeover = existing->state == State::in_progress;
+  const bool resume = takeover && existing->fingerprint == fingerprint;
+  out.kind = takeover ? Reservation::Kind::taken_over : Reservation::Kind::reserved;
+  out.token = std::max(existing->token + 1, ms(now));
+  if (resume) out.recovery_point = existing->recovery_point;
+  Statement& s = *d.replace_dead;
+  ResetGuard reset(s);
+  bind_id(s, id);
+  bind_fingerprint(s, 4, fingerprint);
+  s.bind(5, out.token);
+  s.bind(6, ms(lease_until));
+  s.bind(7, ms(now));
+  s.bind(8, ms(expires_at));
+  if (out.recovery_point) {
+    s.bind(9, *out.recovery_point);
+  } else {
+    s.bind_null(9);
+  }
+  s.bind(10, existing->token);
+  if (!d.changed(s)) throw StoreError("sqlite: reserve: record changed inside its transaction", 0);
+  tx.commit();
+  return out;
+}
+
+bool SqliteStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                           TimePoint expires_at) {
+  const std::string headers = headers_to_json(response.response.headers);
+  std::lock_guard lock(mutex_);
+  Statement& s = *impl_->complete;
+  ResetGuard reset(s);
+  bind_id(s, id);
+  s.bind(4, token);
+  bind_response(s, 5, response, headers);
+  s.bind(9, ms(expires_at));
+  return impl_->changed(s);
+}
+
+bool SqliteStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
+  std::lock_guard lock(mutex_);
+  Statement& s = *impl_->release;
+  ResetGuard reset(s);
+  bind_id(s, id);
+  s.bind(4, token);
+  s.bind(5, ms(now));
+  return impl_->changed(s);
+}
+
+bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
+  std::lock_guard lock(mutex_);
+  Statement& s = *impl_->renew;
+  ResetGuard reset(s);
+  bind_id(s, id);
+  s.bind(4, token);
+  s.bind(5, ms(lease_until));
+  return impl_->changed(s);
+}
+
+bool SqliteStore::set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) {
+  std::lock_guard lock(mutex_);
+  Statement& s = *impl_->set_recovery_point;
+  ResetGuard reset(s);
+  bind_id(s, id);
+  s.bind(4, token);
+  s.bind(5, point);
+  return impl_->changed(s);
+}
+
+std::optional<Record> SqliteStore::load(const KeyId& id) {
+  std::lock_guard lock(mutex_);
+  return impl_->load_record(id);
+}
+
+std::optional<Record> SqliteStore::store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                                   const StoredResponse& response, TimePoint now,
+                                                   TimePoint expires_at) {
+  const std::string headers = headers_to_json(response.response.headers);
+  std::lock_guard lock(mutex_);
+  Impl& d = *impl_;
+  detail::Transaction tx(*d.begin, *d.commit, *d.rollback);
+  {
+    Statement& s = *d.insert_completed;
+    ResetGuard reset(s);
+    bind_id(s, id);
+    bind_fingerprint(s, 4, fingerprint);
+    s.bind(5, ms(now));
+    s.bind(6, ms(now));
+    s.bind(7, ms(expires_at));
+    bind_response(s, 8, response, headers);
+    if (s.step()) {
+      s.step();
+      tx.commit();
+      return std::nullopt;
+    }
+  }
+  std::optional<Record> existing = d.load_record(id);
+  if (existing && existing->live_at(now)) {
+    tx.commit();
+    return existing;
+  }
+  // A dead record: overwrite it with a completed one (the statements of reserve, then
+  // complete, inside this one transaction).
+  const std::int64_t token = std::max(existing ? existing->token + 1 : 0, ms(now));
+  {
+    Statement& s = *d.replace_dead;
+    ResetGuard reset(s);
+    bind_id(s, id);
+    bind_fingerprint(s, 4, fingerprint);
+    s.bind(5, token);
+    s.bind(6, ms(now));
+    s.bind(7, ms(now));
+    s.bind(8, ms(expires_at));
+    s.bind_null(9);
+    s.bind(10, existing ? existing->token : 0);
+    if (!d.changed(s)) throw StoreError("sqlite: store_if_absent: record changed", 0);
+  }
+  Statement& s = *d.complete;
+  ResetGuard reset(s);
+  bind_id(s, id);
+  s.bind(4, token);
+  bind_response(s, 5, response, headers);
+  s.bind(9, ms(expires_at));
+  if (!d.changed(s)) throw StoreError("sqlite: store_if_absent: record changed", 0);
+  tx.commit();
+  return std::nullopt;
+}
+
+std::size_t SqliteStore::purge_expired(TimePoint now, std::size_t limit) {
+  std::lock_guard lock(mutex_);
+  Statement& s = *impl_->purge;
+  ResetGuard reset(s);
+  s.bind(1, ms(now));
+  s.bind(2, static_cast<std::int64_t>(limit));
+  s.step();
+  return static_cast<std::size_t>(sqlite3_changes(impl_->db.get()));
+}
+
+std::vector<ReapedRecord> SqliteStore::reap(TimePoint lease_ended_before, std::size_t limit) {
+  std::lock_guard lock(mutex_);
+  Statement& s = *impl_->reap;
+  ResetGuard reset(s);
+  s.bind(1, ms(lease_ended_before));
+  s.bind(2, static_cast<std::int64_t>(limit));
+  std::vector<ReapedRecord> out;
+  while (s.step()) {
+    KeyId id{s.text(0), s.text(1), s.text(2)};
+    out.push_back({short_hash(id), id.operation, s.int64(3), at_ms(s.int64(4))});
+  }
+  return out;
+}
+
+}  // namespace idem
