@@ -3,6 +3,7 @@
 namespace idem {
 
 void sleep_until(Clock& clock, TimePoint at) {
+  if (at <= clock.now()) return;
   struct Gate {
     std::mutex mutex;
     std::condition_variable cv;

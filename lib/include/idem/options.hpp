@@ -89,7 +89,7 @@ struct Options {
   std::chrono::milliseconds ttl{std::chrono::hours(24)};
 
   // Per-operation TTL overrides, same rules as ttl. Default: none.
-  std::map<std::string, std::chrono::milliseconds, std::less<>> ttl_by_operation;
+  std::map<std::string, std::chrono::milliseconds, std::less<>> ttl_by_operation{};
 
   // InFlight::wait: the longest a duplicate waits before InProgressError. Default: 10 s.
   std::chrono::milliseconds max_wait{std::chrono::seconds(10)};
@@ -110,17 +110,17 @@ struct Options {
   // reference. 0 keeps every body inline. When non-zero, payload_store is required.
   // Default: 0.
   std::size_t inline_body_limit = 0;
-  std::shared_ptr<PayloadStore> payload_store;
+  std::shared_ptr<PayloadStore> payload_store{};
 
   // reap() clears in_progress records whose lease ended more than this long ago.
   // Default: 5 min.
   std::chrono::milliseconds reap_after{std::chrono::minutes(5)};
 
   // Default: a SystemClock owned by the coordinator.
-  std::shared_ptr<Clock> clock;
+  std::shared_ptr<Clock> clock{};
 
   // Default: no logging.
-  LogSink log;
+  LogSink log{};
 };
 
 }  // namespace idem

@@ -33,10 +33,10 @@ struct ProviderOptions {
   // already charged returns the first charge and makes none. Default: on.
   bool dedup = true;
   // Ledger database file shared by processes; empty: private, in memory. Default: empty.
-  std::string ledger_path;
+  std::string ledger_path{};
   // What a Fault::crash does after the charge is recorded. Default: std::_Exit(70), as a
   // killed process would (no destructors, no cleanup, the key left reserved).
-  std::function<void()> crash;
+  std::function<void()> crash{};
 };
 
 // A fault to inject into upcoming charges, in order (inject()).

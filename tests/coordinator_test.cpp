@@ -1,0 +1,487 @@
+// The blocking front end on simulated time: every rule of SPEC §1-3, §5, §6 and §8 that one
+// thread can show. Each test counts the provider's charges, not only the responses.
+#include "idem/coordinator.hpp"
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <atomic>
+#include <latch>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "idem/typed.hpp"
+#include "test_support.hpp"
+
+using namespace std::chrono_literals;
+using idem::InFlight;
+using idem::Outcome;
+using idem::Response;
+using idem::test::request;
+using idem::test::World;
+using nlohmann::json;
+
+namespace {
+
+// Blocking tests advance the clock inside the action, so the provider itself is instant.
+const idem::sim::ProviderOptions kInstant{.latency = 0ms};
+
+World blocking_world(idem::Options options = {}) { return World(std::move(options), kInstant); }
+
+std::string charge_id(const Outcome& out) { return json::parse(out.response.body).at("charge_id"); }
+
+}  // namespace
+
+TEST_CASE("coordinator: a retry after completion replays the stored response byte for byte") {
+  World w = blocking_world();
+  const Outcome first = w.idem->call(request("k1"), w.charge_action());
+  const Outcome second = w.idem->call(request("k1"), w.charge_action());
+  CHECK(first.source == Outcome::Source::executed);
+  CHECK(second.source == Outcome::Source::replayed);
+  CHECK(second.response == first.response);
+  CHECK(charge_id(second) == "ch_1");
+  CHECK(w.charges() == 1);
+  CHECK(w.idem->metrics().replayed == 1);
+}
+
+TEST_CASE("coordinator: a business rejection (402) is an outcome, stored and replayed") {
+  World w = blocking_world();
+  w.provider->inject(idem::sim::Fault::decline);
+  const Outcome first = w.idem->call(request("k1"), w.charge_action());
+  CHECK(first.response.status == 402);
+  const Outcome again = w.idem->call(request("k1"), w.charge_action());
+  CHECK(again.replayed());
+  CHECK(again.response.status == 402);
+  CHECK(again.response.body == first.response.body);
+  // Had the retry run, the provider (no fault left) would have charged.
+  CHECK(w.charges() == 0);
+}
+
+TEST_CASE("coordinator: an exception from the action releases the key; the retry really runs") {
+  World w = blocking_world();
+  w.provider->inject(idem::sim::Fault::timeout);
+  CHECK_THROWS_AS(w.idem->call(request("k1"), w.charge_action()), idem::sim::ProviderTimeout);
+  CHECK(w.charges() == 0);
+  CHECK(w.store->load({"alpha", "payment.charge", "k1"})->state == idem::State::released);
+  const Outcome retry = w.idem->call(request("k1"), w.charge_action());
+  CHECK(retry.source == Outcome::Source::executed);
+  CHECK(charge_id(retry) == "ch_1");
+  CHECK(w.charges() == 1);
+  CHECK(w.idem->metrics().released == 1);
+}
+
+TEST_CASE("coordinator: the same key with another fingerprint is KeyReuse, with both fingerprints") {
+  World w = blocking_world();
+  const Outcome first = w.idem->call(request("k1", 4990), w.charge_action());
+  try {
+    w.idem->call(request("k1", 5), w.charge_action());
+    FAIL("no KeyReuse");
+  } catch (const idem::KeyReuseError& e) {
+    CHECK(e.code() == idem::errc::key_reuse);
+    CHECK(e.stored_fingerprint() == request("k1", 4990).fingerprint.hex());
+    CHECK(e.request_fingerprint() == request("k1", 5).fingerprint.hex());
+  }
+  CHECK(w.charges() == 1);
+  CHECK(w.store->load({"alpha", "payment.charge", "k1"})->response == first.response);
+  CHECK(w.idem->metrics().key_reuse == 1);
+}
+
+TEST_CASE("coordinator: KeyReuse is checked before in-progress (raise and wait alike)") {
+  for (InFlight policy : {InFlight::raise, InFlight::wait}) {
+    World w = blocking_world({.in_flight = policy});
+    bool reuse_seen = false;
+    w.idem->call(request("k1", 4990), [&] {
+      CHECK_THROWS_AS(w.idem->call(request("k1", 5), w.charge_action()), idem::KeyReuseError);
+      reuse_seen = true;
+      return w.charge_action()();
+    });
+    CHECK(reuse_seen);
+    CHECK(w.charges() == 1);
+  }
+}
+
+TEST_CASE("coordinator: tenants are isolated even when their keys are equal") {
+  World w = blocking_world();
+  const Outcome a = w.idem->call(request("k1", 4990, "alpha"), w.charge_action());
+  const Outcome b = w.idem->call(request("k1", 5, "beta"), w.charge_action());  // no KeyReuse
+  CHECK(charge_id(a) == "ch_1");
+  CHECK(charge_id(b) == "ch_2");
+  CHECK(charge_id(w.idem->call(request("k1", 4990, "alpha"), w.charge_action())) == "ch_1");
+  CHECK(charge_id(w.idem->call(request("k1", 5, "beta"), w.charge_action())) == "ch_2");
+  CHECK(w.charges() == 2);
+}
+
+TEST_CASE("coordinator: one key under two operations makes two independent records") {
+  World w = blocking_world();
+  w.idem->call(request("k1", 4990, "alpha", "order.create"), w.charge_action());
+  w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action());
+  w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action());
+  CHECK(w.charges() == 2);
+  idem::test::RawDb raw(w.db_path);
+  CHECK(raw.rows() == 2);
+}
+
+TEST_CASE("coordinator: bad keys are rejected before the store is touched") {
+  World w = blocking_world();
+  const std::vector<std::string> bad = {"", std::string(256, 'k'), "tab\there", "nul" + std::string(1, '\0'),
+                                        "caf\xc3\xa9", "del\x7f"};
+  int ran = 0;
+  for (const std::string& key : bad) {
+    CHECK_THROWS_AS(w.idem->call(request(key), [&] { ++ran; return Response{}; }), idem::InvalidKeyError);
+  }
+  CHECK_THROWS_WITH_AS(w.idem->call(request("k1", 1, ""), [&] { ++ran; return Response{}; }),
+                       "idempotency tenant is empty", idem::InvalidKeyError);
+  CHECK(ran == 0);
+  idem::test::RawDb raw(w.db_path);
+  CHECK(raw.rows() == 0);
+}
+
+TEST_CASE("coordinator: a missing key is rejected, or run unprotected and counted") {
+  idem::Request no_key = request("unused");
+  no_key.key.reset();
+  {
+    World w = blocking_world();
+    CHECK_THROWS_WITH_AS(w.idem->call(no_key, w.charge_action()), "idempotency key is missing",
+                         idem::InvalidKeyError);
+    CHECK(w.charges() == 0);
+  }
+  {
+    World w = blocking_world({.missing_key = idem::MissingKey::run_unprotected});
+    CHECK(w.idem->call(no_key, w.charge_action()).source == Outcome::Source::unprotected);
+    CHECK(w.idem->call(no_key, w.charge_action()).source == Outcome::Source::unprotected);
+    CHECK(w.charges() == 2);  // unprotected really means unprotected
+    CHECK(w.idem->metrics().ran_unprotected == 2);
+    idem::test::RawDb raw(w.db_path);
+    CHECK(raw.rows() == 0);
+  }
+}
+
+TEST_CASE("coordinator: options that break a rule are refused with the rule named") {
+  auto store = std::make_shared<idem::SqliteStore>(":memory:");
+  auto refuse = [&](idem::Options o, const std::string& words) {
+    try {
+      idem::Coordinator c(store, std::move(o));
+      FAIL("accepted");
+    } catch (const idem::error& e) {
+      CHECK(e.code() == idem::errc::invalid_argument);
+      CHECK_MESSAGE(std::string(e.what()).find(words) != std::string::npos, e.what());
+    }
+  };
+  refuse({.ttl = 59s}, "a TTL is at least one minute");
+  refuse({.ttl_by_operation = {{"payment.charge", 30s}}}, "ttl for 'payment.charge' is 30000 ms");
+  refuse({.lease = 2min, .ttl = 2min}, "lease (120000 ms) must be shorter than ttl");
+  refuse({.lease = 0ms}, "lease must be positive");
+  refuse({.lease = 1s, .heartbeat = 1s}, "heartbeat (1000 ms) must be shorter than the lease");
+  refuse({.inline_body_limit = 10}, "needs a payload_store");
+  CHECK_NOTHROW(idem::Coordinator(store, {.lease = 1s, .heartbeat = 0ms, .ttl = 1min}));
+}
+
+TEST_CASE("coordinator: a completed record lives for its TTL, then the key is new") {
+  World w = blocking_world({.ttl = 1h, .ttl_by_operation = {{"order.cancel", 2min}}});
+  w.idem->call(request("k1"), w.charge_action());
+  w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action());
+  w.clock->advance(2min);  // the cancel's TTL is over; the charge's is not
+  CHECK(w.idem->call(request("k1"), w.charge_action()).replayed());
+  CHECK_FALSE(w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action()).replayed());
+  CHECK(w.charges() == 3);
+  w.clock->advance(1h);
+  // After the TTL, even another fingerprint is simply a new request.
+  CHECK(w.idem->call(request("k1", 5), w.charge_action()).source == Outcome::Source::executed);
+  CHECK(w.charges() == 4);
+  CHECK(w.idem->ttl_for("order.cancel") == 2min);
+}
+
+TEST_CASE("coordinator: purge deletes expired records in batches and counts them") {
+  World w = blocking_world({.ttl = 1min});
+  for (int i = 0; i < 7; ++i) w.idem->call(request("k" + std::to_string(i)), w.charge_action(0ms));
+  CHECK(w.idem->purge_expired(3) == 0);
+  w.clock->advance(1min);
+  CHECK(w.idem->purge_expired(3) == 7);
+  CHECK(w.idem->metrics().purged == 7);
+  idem::test::RawDb raw(w.db_path);
+  CHECK(raw.rows() == 0);
+}
+
+TEST_CASE("coordinator: the reaper reports and clears reservations whose lease is long gone") {
+  std::vector<std::string> events;
+  World w = blocking_world({.reap_after = 5min, .log = [&](const idem::LogEvent& e) {
+                              events.push_back(std::string(e.event) + " " + std::string(e.key_hash));
+                            }});
+  // A worker reserved and died: nothing completes or releases the key.
+  w.store->reserve({"alpha", "payment.charge", "dead"}, request("dead").fingerprint, w.clock->now(),
+                   w.clock->now() + 30s, w.clock->now() + 24h);
+  w.clock->advance(5min);
+  CHECK(w.idem->reap().empty());  // lease ended 4.5 min ago: not yet
+  w.clock->advance(1min);
+  const auto reaped = w.idem->reap();
+  REQUIRE(reaped.size() == 1);
+  CHECK(w.idem->metrics().reaped == 1);
+  CHECK(events.back() == "reaped " + idem::short_hash({"alpha", "payment.charge", "dead"}));
+}
+
+TEST_CASE("coordinator: under raise a duplicate during the first gets InProgress with Retry-After") {
+  World w = blocking_world({.in_flight = InFlight::raise});
+  w.idem->call(request("k1"), [&] {
+    w.clock->advance(50ms);
+    try {
+      w.idem->call(request("k1"), w.charge_action());
+      FAIL("no InProgress");
+    } catch (const idem::InProgressError& e) {
+      CHECK(e.code() == idem::errc::in_progress);
+      CHECK(e.retry_after() == 30s - 50ms);
+    }
+    return w.charge_action(250ms)();
+  });
+  CHECK(w.charges() == 1);
+  CHECK(w.idem->metrics().in_progress_conflicts == 1);
+}
+
+TEST_CASE("coordinator: a zombie whose lease was taken over gets LeaseLost; the new owner's result stands") {
+  World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
+  std::string new_owner;
+  try {
+    w.idem->call(request("k1"), [&] {
+      w.clock->advance(31s);  // the first worker stalls past its lease...
+      new_owner = charge_id(w.idem->call(request("k1"), w.charge_action()));  // ...a retry takes over
+      return w.charge_action(0ms)();  // the zombie charges and tries to complete
+    });
+    FAIL("zombie completed");
+  } catch (const idem::LeaseLostError& e) {
+    CHECK(e.code() == idem::errc::lease_lost);
+  }
+  CHECK(new_owner == "ch_1");
+  CHECK(w.charges() == 2);  // the takeover ran the action again: at-least-once for a dead worker
+  const Outcome replay = w.idem->call(request("k1"), w.charge_action());
+  CHECK(charge_id(replay) == "ch_1");
+  CHECK(w.charges() == 2);
+  const idem::MetricsSnapshot m = w.idem->metrics();
+  CHECK(m.taken_over == 1);
+  CHECK(m.lease_lost == 1);
+}
+
+TEST_CASE("coordinator: a zombie cannot release the new owner's reservation either") {
+  World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
+  CHECK_THROWS_AS(w.idem->call(request("k1"), [&]() -> Response {
+    w.clock->advance(31s);
+    w.idem->call(request("k1"), w.charge_action());
+    throw std::runtime_error("zombie fails");
+  }), std::runtime_error);
+  CHECK(w.idem->metrics().lease_lost == 1);
+  CHECK(w.store->load({"alpha", "payment.charge", "k1"})->state == idem::State::completed);
+  CHECK(w.idem->call(request("k1"), w.charge_action()).replayed());
+  CHECK(w.charges() == 1);
+}
+
+TEST_CASE("coordinator: heartbeats keep a slow honest action from being taken over") {
+  SUBCASE("with heartbeat: the duplicate at 2 s sees the key in progress") {
+    World w = blocking_world({.in_flight = InFlight::raise, .lease = 1s, .heartbeat = 300ms});
+    const Outcome out = w.idem->call(request("k1"), [&] {
+      w.clock->advance(2s);  // heartbeats at 0.3, 0.6, ... renew the 1 s lease
+      CHECK_THROWS_AS(w.idem->call(request("k1"), w.charge_action()), idem::InProgressError);
+      return w.charge_action(1s)();
+    });
+    CHECK(out.source == Outcome::Source::executed);
+    CHECK(w.charges() == 1);
+    CHECK(w.idem->metrics().lease_lost == 0);
+  }
+  SUBCASE("without heartbeat: the same duplicate takes over and charges again") {
+    World w = blocking_world({.in_flight = InFlight::raise, .lease = 1s, .heartbeat = 0ms});
+    CHECK_THROWS_AS(w.idem->call(request("k1"), [&] {
+      w.clock->advance(2s);
+      w.idem->call(request("k1"), w.charge_action());
+      return w.charge_action(1s)();
+    }), idem::LeaseLostError);
+    CHECK(w.charges() == 2);
+  }
+}
+
+TEST_CASE("coordinator: a locked database (past busy_timeout) fails open or closed as configured") {
+  for (idem::FailureMode mode : {idem::FailureMode::fail_open, idem::FailureMode::fail_closed}) {
+    World w({.on_store_failure = mode}, kInstant, idem::SqliteOptions{.busy_timeout = 20ms});
+    idem::test::RawDb locker(w.db_path);
+    REQUIRE(locker.exec("BEGIN IMMEDIATE") == SQLITE_OK);
+    if (mode == idem::FailureMode::fail_open) {
+      const Outcome out = w.idem->call(request("k1"), w.charge_action());
+      CHECK(out.source == Outcome::Source::unprotected);
+      CHECK(w.charges() == 1);  // the action ran anyway
+      CHECK(w.idem->metrics().store_errors == 1);
+      CHECK(w.idem->metrics().ran_unprotected == 1);
+    } else {
+      try {
+        w.idem->call(request("k1"), w.charge_action());
+        FAIL("ran under fail_closed");
+      } catch (const idem::StoreError& e) {
+        CHECK(e.code() == idem::errc::store_unavailable);
+        CHECK((e.sqlite_code() & 0xff) == SQLITE_BUSY);
+      }
+      CHECK(w.charges() == 0);
+      CHECK(w.idem->metrics().store_errors == 1);
+    }
+    locker.exec("ROLLBACK");
+    CHECK(w.store->load({"alpha", "payment.charge", "k1"}) == std::nullopt);
+  }
+}
+
+TEST_CASE("coordinator: an unwritable store fails open or closed as configured") {
+  World open_world = blocking_world();
+  open_world.faulty->fail_reserve = true;
+  CHECK(open_world.idem->call(request("k1"), open_world.charge_action()).source == Outcome::Source::unprotected);
+  CHECK(open_world.charges() == 1);
+  World closed = blocking_world({.on_store_failure = idem::FailureMode::fail_closed});
+  closed.faulty->fail_reserve = true;
+  CHECK_THROWS_AS(closed.idem->call(request("k1"), closed.charge_action()), idem::StoreError);
+  CHECK(closed.charges() == 0);
+}
+
+TEST_CASE("coordinator: a store failure after the action keeps the key reserved; a derived key keeps the retry single-charge") {
+  World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
+  const std::string downstream = idem::derived_key({"alpha", "payment.charge", "k1"}, "charge");
+  w.faulty->fail_complete = true;
+  const Outcome first = w.idem->call(request("k1"), w.charge_action(300ms, downstream));
+  CHECK(first.source == Outcome::Source::executed);  // the caller still gets its answer
+  CHECK(w.idem->metrics().store_errors == 1);
+  w.faulty->fail_complete = false;
+  CHECK(w.store->load({"alpha", "payment.charge", "k1"})->state == idem::State::in_progress);
+  w.clock->advance(30s);  // the lease ends; the retry takes over and runs the action again...
+  const Outcome retry = w.idem->call(request("k1"), w.charge_action(300ms, downstream));
+  CHECK(charge_id(retry) == charge_id(first));  // ...but the provider recognised the derived key
+  CHECK(w.charges() == 1);
+}
+
+TEST_CASE("coordinator: a same-process waiter is woken by the completion itself") {
+  // The simulated clock never moves in this test: no deadline or poll can fire, so the
+  // waiting thread can only be woken by the holder's completion.
+  World w = blocking_world({.in_flight = InFlight::wait});
+  std::latch holder_running(1);
+  std::atomic<bool> release_holder{false};
+  std::thread holder([&] {
+    w.idem->call(request("k1"), [&] {
+      holder_running.count_down();
+      while (!release_holder.load()) std::this_thread::yield();
+      return w.charge_action(0ms)();
+    });
+  });
+  holder_running.wait();
+  std::thread duplicate([&] {
+    const Outcome out = w.idem->call(request("k1"), w.charge_action(0ms));
+    CHECK(out.replayed());
+    CHECK(charge_id(out) == "ch_1");
+  });
+  while (w.idem->metrics().waited == 0) std::this_thread::yield();
+  release_holder = true;
+  holder.join();
+  duplicate.join();
+  CHECK(w.charges() == 1);
+  CHECK(w.idem->metrics().waited == 1);
+}
+
+TEST_CASE("coordinator: InFlight::run replays sequential duplicates like a cache") {
+  World w = blocking_world({.in_flight = InFlight::run});
+  w.idem->call(request("k1"), w.charge_action());
+  CHECK(w.idem->call(request("k1"), w.charge_action()).replayed());
+  CHECK_THROWS_AS(w.idem->call(request("k1", 5), w.charge_action()), idem::KeyReuseError);
+  CHECK(w.charges() == 1);
+}
+
+TEST_CASE("coordinator: log events carry a short hash, never the key") {
+  std::vector<std::string> lines;
+  std::mutex mutex;
+  World w = blocking_world({.in_flight = InFlight::raise, .lease = 1s, .heartbeat = 0ms,
+                            .log = [&](const idem::LogEvent& e) {
+                              std::lock_guard lock(mutex);
+                              lines.push_back(fmt::format("{} {} {} {}", e.event, e.key_hash,
+                                                          e.operation, e.message));
+                            }});
+  const std::string secret = "cust-42-jane.doe@example.com";
+  w.provider->inject(idem::sim::Fault::timeout);
+  CHECK_THROWS(w.idem->call(request(secret), w.charge_action()));     // released
+  CHECK_THROWS_AS(w.idem->call(request(secret), [&] {                 // reserved
+    CHECK_THROWS(w.idem->call(request(secret), w.charge_action()));   // in_progress
+    CHECK_THROWS(w.idem->call(request(secret, 5), w.charge_action()));  // key_reuse
+    w.clock->advance(2s);
+    w.idem->call(request(secret), w.charge_action());                  // taken_over
+    return w.charge_action()();
+  }), idem::LeaseLostError);                                           // lease_lost
+  REQUIRE(lines.size() >= 5);
+  for (const std::string& line : lines) {
+    CHECK_MESSAGE(line.find(secret) == std::string::npos, line);
+    CHECK_MESSAGE(line.find(idem::short_hash({"alpha", "payment.charge", secret})) != std::string::npos, line);
+  }
+}
+
+TEST_CASE("coordinator: metrics are a snapshot and export as Prometheus text") {
+  World w = blocking_world();
+  w.idem->call(request("k1"), w.charge_action());
+  w.idem->call(request("k1"), w.charge_action());
+  const idem::MetricsSnapshot m = w.idem->metrics();
+  CHECK(m.reserved == 1);
+  CHECK(m.executed == 1);
+  CHECK(m.completed == 1);
+  CHECK(m.replayed == 1);
+  const std::string text = m.to_prometheus();
+  CHECK(text.find("idem_replayed_total 1\n") != std::string::npos);
+  CHECK(text.find("# TYPE idem_store_errors_total counter\n") != std::string::npos);
+}
+
+namespace {
+
+struct MemoryPayloads final : idem::PayloadStore {
+  std::mutex mutex;
+  std::map<std::string, std::string> blobs;
+  std::string put(const idem::KeyId& id, const std::string& body) override {
+    std::lock_guard lock(mutex);
+    const std::string ref = "blob/" + idem::short_hash(id);
+    blobs[ref] = body;
+    return ref;
+  }
+  std::string get(const std::string& ref) override {
+    std::lock_guard lock(mutex);
+    return blobs.at(ref);
+  }
+};
+
+struct Charge {
+  std::string id;
+  int amount = 0;
+};
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(Charge, id, amount)
+
+}  // namespace
+
+TEST_CASE("coordinator: bodies over the inline limit are stored by reference and replayed whole") {
+  auto payloads = std::make_shared<MemoryPayloads>();
+  World w = blocking_world({.inline_body_limit = 16, .payload_store = payloads});
+  const std::string big(1000, 'x');
+  int ran = 0;
+  auto action = [&] { ++ran; return Response{200, big, {}}; };
+  w.idem->call(request("k1"), action);
+  const auto rec = w.store->load({"alpha", "payment.charge", "k1"});
+  CHECK(rec->response.body.empty());
+  CHECK(rec->body_ref == "blob/" + idem::short_hash({"alpha", "payment.charge", "k1"}));
+  const Outcome replay = w.idem->call(request("k1"), action);
+  CHECK(replay.replayed());
+  CHECK(replay.response.body == big);
+  CHECK(ran == 1);
+}
+
+TEST_CASE("coordinator: typed results round-trip through JSON, including null and void") {
+  World w = blocking_world();
+  int ran = 0;
+  const auto first = idem::call<Charge>(*w.idem, request("t1"), [&] { ++ran; return Charge{"ch_1", 4990}; });
+  const auto again = idem::call<Charge>(*w.idem, request("t1"), [&] { ++ran; return Charge{"ch_9", 1}; });
+  CHECK(again.replayed());
+  CHECK(again.value.id == "ch_1");
+  CHECK(again.value.amount == 4990);
+  CHECK_FALSE(first.replayed());
+
+  const auto none = idem::call<std::optional<int>>(*w.idem, request("t2"), [&] { ++ran; return std::optional<int>{}; });
+  const auto none_again = idem::call<std::optional<int>>(*w.idem, request("t2"), [&] { ++ran; return std::optional<int>{7}; });
+  CHECK_FALSE(none.value.has_value());
+  CHECK(none_again.replayed());
+  CHECK_FALSE(none_again.value.has_value());
+
+  idem::call<void>(*w.idem, request("t3"), [&] { ++ran; });
+  CHECK(idem::call<void>(*w.idem, request("t3"), [&] { ++ran; }).replayed());
+  CHECK(ran == 3);
+}

@@ -1,0 +1,184 @@
+// Shared helpers for idem's tests: temporary databases, a simulated world, raw SQLite.
+#pragma once
+
+#include <sqlite3.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "idem/coordinator.hpp"
+#include "idem/sim/provider.hpp"
+#include "idem/sim/simulated_clock.hpp"
+#include "idem/sqlite_store.hpp"
+
+namespace idem::test {
+
+// A fresh directory under the system temp dir, removed with everything in it.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "idem-test-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// A raw SQLite connection, for looking at (or locking) what the store wrote.
+class RawDb {
+ public:
+  explicit RawDb(const std::string& path) {
+    if (sqlite3_open(path.c_str(), &db_) != SQLITE_OK) throw std::runtime_error("open failed");
+  }
+  ~RawDb() { sqlite3_close_v2(db_); }
+  RawDb(const RawDb&) = delete;
+  RawDb& operator=(const RawDb&) = delete;
+
+  // Runs `sql`; returns SQLite's result code.
+  int exec(const std::string& sql) { return sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, nullptr); }
+
+  // The first column of the first row of `sql` as an integer (-1 if no row).
+  long long scalar(const std::string& sql) {
+    sqlite3_stmt* s = nullptr;
+    if (sqlite3_prepare_v2(db_, sql.c_str(), -1, &s, nullptr) != SQLITE_OK) {
+      throw std::runtime_error(sqlite3_errmsg(db_));
+    }
+    long long v = -1;
+    if (sqlite3_step(s) == SQLITE_ROW) v = sqlite3_column_int64(s, 0);
+    sqlite3_finalize(s);
+    return v;
+  }
+
+  // The first column of the first row of `sql` as text ("" if no row).
+  std::string text(const std::string& sql) {
+    sqlite3_stmt* s = nullptr;
+    if (sqlite3_prepare_v2(db_, sql.c_str(), -1, &s, nullptr) != SQLITE_OK) {
+      throw std::runtime_error(sqlite3_errmsg(db_));
+    }
+    std::string v;
+    if (sqlite3_step(s) == SQLITE_ROW && sqlite3_column_text(s, 0) != nullptr) {
+      v = reinterpret_cast<const char*>(sqlite3_column_text(s, 0));
+    }
+    sqlite3_finalize(s);
+    return v;
+  }
+
+  long long rows() { return scalar("SELECT count(*) FROM idem_keys"); }
+
+ private:
+  sqlite3* db_ = nullptr;
+};
+
+// A Store that fails on demand, around a real one (LevelDB's FaultInjectionTestEnv idea):
+// for a disk that stops taking writes, or a store that breaks between two steps.
+class FaultyStore final : public Store {
+ public:
+  explicit FaultyStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+
+  bool fail_reserve = false, fail_complete = false, fail_release = false, fail_load = false;
+
+  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now, TimePoint lease,
+                      TimePoint expires) override {
+    if (fail_reserve) throw StoreError("injected: disk I/O error", SQLITE_IOERR_WRITE);
+    return inner_->reserve(id, fp, now, lease, expires);
+  }
+  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r, TimePoint e) override {
+    if (fail_complete) throw StoreError("injected: database or disk is full", SQLITE_FULL);
+    return inner_->complete(id, token, r, e);
+  }
+  bool release(const KeyId& id, std::int64_t token, TimePoint now) override {
+    if (fail_release) throw StoreError("injected: disk I/O error", SQLITE_IOERR_WRITE);
+    return inner_->release(id, token, now);
+  }
+  bool renew(const KeyId& id, std::int64_t token, TimePoint lease) override {
+    return inner_->renew(id, token, lease);
+  }
+  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& p) override {
+    return inner_->set_recovery_point(id, token, p);
+  }
+  std::optional<Record> load(const KeyId& id) override {
+    if (fail_load) throw StoreError("injected: disk I/O error", SQLITE_IOERR_READ);
+    return inner_->load(id);
+  }
+  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fp,
+                                        const StoredResponse& r, TimePoint now,
+                                        TimePoint expires) override {
+    if (fail_complete) throw StoreError("injected: database or disk is full", SQLITE_FULL);
+    return inner_->store_if_absent(id, fp, r, now, expires);
+  }
+  std::size_t purge_expired(TimePoint now, std::size_t limit) override {
+    return inner_->purge_expired(now, limit);
+  }
+  std::vector<ReapedRecord> reap(TimePoint before, std::size_t limit) override {
+    return inner_->reap(before, limit);
+  }
+
+ private:
+  std::shared_ptr<Store> inner_;
+};
+
+// One simulated world: a clock, a store on a temp file, a provider and a coordinator.
+struct World {
+  TempDir dir;
+  std::shared_ptr<sim::SimulatedClock> clock = std::make_shared<sim::SimulatedClock>();
+  std::string db_path = dir.file("keys.db");
+  std::shared_ptr<SqliteStore> store;
+  std::shared_ptr<sim::Provider> provider;
+  std::unique_ptr<Coordinator> idem;
+
+  std::shared_ptr<FaultyStore> faulty;  // wraps `store`; the coordinator uses it
+
+  explicit World(Options options = {}, sim::ProviderOptions provider_options = {},
+                 SqliteOptions store_options = {}) {
+    store = std::make_shared<SqliteStore>(db_path, store_options);
+    faulty = std::make_shared<FaultyStore>(store);
+    provider = std::make_shared<sim::Provider>(clock, std::move(provider_options));
+    options.clock = clock;
+    idem = std::make_unique<Coordinator>(faulty, std::move(options));
+  }
+
+  // An action that takes `duration` of simulated time (the clock is advanced by the
+  // calling thread), then charges the provider (instantly) and answers with the charge id.
+  std::function<Response()> charge_action(std::chrono::milliseconds duration = std::chrono::milliseconds(300),
+                                          std::string provider_key = "") {
+    return [this, duration, provider_key] {
+      clock->advance(duration);
+      const sim::ChargeResult r = provider->charge("A-10023", 4990, provider_key);
+      if (r.declined) {
+        return Response{402, nlohmann::json{{"error", "payment_declined"}, {"reason", r.reason}}.dump(), {}};
+      }
+      return Response{200, nlohmann::json{{"charge_id", r.charge_id}}.dump(), {}};
+    };
+  }
+
+  std::size_t charges() const { return provider->charge_count(); }
+
+  TimePoint t(long long ms) const { return sim::kSimulationStart + std::chrono::milliseconds(ms); }
+  long long elapsed_ms() const { return (clock->now() - sim::kSimulationStart).count(); }
+};
+
+inline Request request(std::string key, long long amount = 4990, std::string tenant = "alpha",
+                       std::string operation = "payment.charge") {
+  Request r;
+  r.tenant = std::move(tenant);
+  r.operation = std::move(operation);
+  r.key = std::move(key);
+  r.fingerprint = Fingerprint::of(nlohmann::json{{"amount", amount}, {"currency", "RUB"}});
+  return r;
+}
+
+}  // namespace idem::test
