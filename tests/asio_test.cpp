@@ -1,0 +1,167 @@
+// The Asio front end on simulated time: the in-flight table of SPEC §4 from coroutines on one
+// io_context, with exact simulated timings. Each test counts the provider's charges.
+#include "idem/asio.hpp"
+
+#include <doctest/doctest.h>
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "idem/sim/driver.hpp"
+#include "test_support.hpp"
+
+using namespace std::chrono_literals;
+namespace net = boost::asio;
+using idem::InFlight;
+using idem::Outcome;
+using idem::Response;
+using idem::test::request;
+using idem::test::World;
+
+namespace {
+
+struct Reply {
+  std::string text;     // the charge id, or the error's name
+  long long at_ms = 0;  // simulated time of the reply
+  Outcome::Source source = Outcome::Source::executed;
+};
+
+// A client that sends `req` at simulated time `at` and waits for its answer; the action
+// charges the provider (300 ms of simulated latency unless the world says otherwise).
+net::awaitable<void> client(World& w, idem::Coordinator& idem, idem::Request req,
+                            std::chrono::milliseconds at, Reply& out,
+                            std::function<net::awaitable<Response>()> action = {}) {
+  co_await idem::async_sleep_until(*w.clock, idem::sim::kSimulationStart + at);
+  if (!action) {
+    action = [&w]() -> net::awaitable<Response> {
+      const idem::sim::ChargeResult r = co_await w.provider->async_charge("A-10023", 4990, "");
+      co_return Response{200, r.charge_id, {}};
+    };
+  }
+  try {
+    const Outcome o = co_await idem::async_call(idem, std::move(req), std::move(action));
+    out.text = o.response.body;
+    out.source = o.source;
+  } catch (const idem::InProgressError&) {
+    out.text = "InProgress";
+  } catch (const idem::LeaseLostError&) {
+    out.text = "LeaseLost";
+  } catch (const std::exception& e) {
+    out.text = e.what();
+  }
+  out.at_ms = w.elapsed_ms();
+}
+
+void spawn(net::io_context& io, net::awaitable<void> task) {
+  net::co_spawn(io, std::move(task), [](std::exception_ptr e) {
+    if (e) std::rethrow_exception(e);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("asio: the in-flight table: run charges twice, wait and raise charge once") {
+  // First request at t=0, identical duplicate at t=50 ms, provider latency 300 ms.
+  struct Row {
+    InFlight policy;
+    std::vector<std::string> responses;
+    std::vector<std::string> charges;
+  };
+  const std::vector<Row> rows = {
+      {InFlight::run, {"ch_1", "ch_1"}, {"ch_1", "ch_2"}},
+      {InFlight::wait, {"ch_1", "ch_1"}, {"ch_1"}},
+      {InFlight::raise, {"ch_1", "InProgress"}, {"ch_1"}},
+  };
+  for (const Row& row : rows) {
+    CAPTURE(idem::to_string(row.policy));
+    World w({.in_flight = row.policy});
+    net::io_context io;
+    Reply first, second;
+    spawn(io, client(w, *w.idem, request("k1"), 0ms, first));
+    spawn(io, client(w, *w.idem, request("k1"), 50ms, second));
+    idem::sim::run(io, *w.clock);
+    CHECK(std::vector<std::string>{first.text, second.text} == row.responses);
+    CHECK(w.provider->charge_ids() == row.charges);
+  }
+}
+
+TEST_CASE("asio: a waiting duplicate returns the moment the first completes") {
+  World w({.in_flight = InFlight::wait});
+  net::io_context io;
+  Reply first, second;
+  spawn(io, client(w, *w.idem, request("k1"), 0ms, first));
+  spawn(io, client(w, *w.idem, request("k1"), 50ms, second));
+  idem::sim::run(io, *w.clock);
+  CHECK(first.at_ms == 300);
+  CHECK(second.at_ms == 300);  // woken by the completion: no poll interval, no delay
+  CHECK(second.source == Outcome::Source::replayed);
+  CHECK(w.idem->metrics().waited == 1);
+  CHECK(w.provider->charge_count() == 1);
+}
+
+TEST_CASE("asio: when the first fails, the waiting duplicate reserves and runs") {
+  World w({.in_flight = InFlight::wait});
+  w.provider->inject(idem::sim::Fault::timeout);
+  net::io_context io;
+  Reply first, second;
+  spawn(io, client(w, *w.idem, request("k1"), 0ms, first));
+  spawn(io, client(w, *w.idem, request("k1"), 50ms, second));
+  idem::sim::run(io, *w.clock);
+  CHECK(first.text == "payment provider timed out");
+  CHECK(second.text == "ch_1");
+  CHECK(second.source == Outcome::Source::executed);
+  CHECK(second.at_ms == 600);  // woken at 300 by the release, then charged for 300 ms
+  CHECK(w.provider->charge_count() == 1);
+}
+
+TEST_CASE("asio: a waiter takes over when the holder's lease expires; the stalled holder is fenced") {
+  World w({.in_flight = InFlight::wait, .lease = 1s, .heartbeat = 0ms});
+  net::io_context io;
+  Reply stalled, waiter;
+  spawn(io, client(w, *w.idem, request("k1"), 0ms, stalled, [&w]() -> net::awaitable<Response> {
+    co_await idem::async_sleep_until(*w.clock, w.clock->now() + 5s);  // stuck, charges nothing
+    co_return Response{200, "late", {}};
+  }));
+  spawn(io, client(w, *w.idem, request("k1"), 50ms, waiter));
+  idem::sim::run(io, *w.clock);
+  CHECK(waiter.text == "ch_1");
+  CHECK(waiter.at_ms == 1300);  // lease ended at 1000, charge took 300
+  CHECK(stalled.text == "LeaseLost");
+  CHECK(w.provider->charge_count() == 1);
+  CHECK(w.idem->metrics().taken_over == 1);
+}
+
+TEST_CASE("asio: a duplicate gives up after max_wait with InProgress") {
+  World w({.in_flight = InFlight::wait, .max_wait = 100ms});
+  net::io_context io;
+  Reply first, second;
+  spawn(io, client(w, *w.idem, request("k1"), 0ms, first));
+  spawn(io, client(w, *w.idem, request("k1"), 50ms, second));
+  idem::sim::run(io, *w.clock);
+  CHECK(first.text == "ch_1");
+  CHECK(second.text == "InProgress");
+  CHECK(second.at_ms == 150);
+  CHECK(w.provider->charge_count() == 1);
+  CHECK(w.idem->metrics().in_progress_conflicts == 1);
+}
+
+TEST_CASE("asio: a holder in another process is polled with growing, bounded backoff") {
+  // Two coordinators on one database file stand for two processes: they share no memory, so
+  // the waiter must poll. Polls from t=50: +1, +2, +4, +8, +8 ... ms (poll_max 8 ms).
+  World w({.in_flight = InFlight::wait});
+  idem::Coordinator other(std::make_shared<idem::SqliteStore>(w.db_path),
+                          {.in_flight = InFlight::wait, .clock = w.clock});
+  net::io_context io;
+  Reply first, second;
+  spawn(io, client(w, other, request("k1"), 0ms, first));
+  spawn(io, client(w, *w.idem, request("k1"), 50ms, second));
+  idem::sim::run(io, *w.clock);
+  CHECK(first.at_ms == 300);
+  CHECK(second.text == "ch_1");
+  CHECK(second.source == Outcome::Source::replayed);
+  CHECK(second.at_ms > 300);
+  CHECK(second.at_ms <= 308);  // at most one poll_max late
+  CHECK(w.provider->charge_count() == 1);
+}
