@@ -42,6 +42,20 @@ Connection open_connection(const std::string& path, BusyPolicy* busy) {
   return db;
 }
 
+void enable_wal(sqlite3* db, const BusyPolicy& busy) {
+  const auto deadline = std::chrono::steady_clock::now() + busy.timeout;
+  for (int attempt = 0;; ++attempt) {
+    try {
+      Statement mode(db, "PRAGMA journal_mode=WAL");
+      mode.step();
+      return;
+    } catch (const StoreError& e) {
+      if ((e.sqlite_code() & 0xff) != SQLITE_BUSY || std::chrono::steady_clock::now() >= deadline) throw;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100) * std::min(attempt + 1, 10));
+  }
+}
+
 void exec(sqlite3* db, std::string_view sql) {
   char* err = nullptr;
   const int rc = sqlite3_exec(db, std::string(sql).c_str(), nullptr, nullptr, &err);

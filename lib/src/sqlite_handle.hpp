@@ -33,6 +33,12 @@ struct BusyPolicy {
 // (SQLite's default handler sleeps in coarse steps and can starve one of two writers.)
 Connection open_connection(const std::string& path, BusyPolicy* busy);
 
+// Puts the database in WAL mode. Switching needs a moment of exclusive access, and SQLite
+// reports SQLITE_BUSY for it without calling the busy handler when several processes open a
+// new file at once, so this retries on its own until `busy.timeout`. In-memory databases
+// stay in "memory" mode.
+void enable_wal(sqlite3* db, const BusyPolicy& busy);
+
 // Runs statements that return no rows we need (PRAGMAs, DDL).
 void exec(sqlite3* db, std::string_view sql);
 

@@ -71,7 +71,7 @@ struct SqliteStore::Impl {
 
   Impl(const std::string& path, const SqliteOptions& options)
       : busy{options.busy_timeout, {}}, db(detail::open_connection(path, &busy)) {
-    detail::exec(db.get(), "PRAGMA journal_mode=WAL");
+    detail::enable_wal(db.get(), busy);
     detail::exec(db.get(), options.synchronous == Synchronous::full ? "PRAGMA synchronous=FULL"
                                                                     : "PRAGMA synchronous=NORMAL");
     auto make = [this](std::string_view sql) { return std::make_unique<Statement>(db.get(), sql); };

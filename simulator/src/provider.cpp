@@ -39,7 +39,7 @@ struct Provider::Ledger {
 
   explicit Ledger(const std::string& path)
       : db(detail::open_connection(path.empty() ? ":memory:" : path, &busy)) {
-    detail::exec(db.get(), "PRAGMA journal_mode=WAL");
+    detail::enable_wal(db.get(), busy);
     auto make = [this](std::string_view sql) { return std::make_unique<detail::Statement>(db.get(), sql); };
     begin = make("BEGIN IMMEDIATE");
     commit = make("COMMIT");
