@@ -165,3 +165,23 @@ TEST_CASE("asio: a holder in another process is polled with growing, bounded bac
   CHECK(second.at_ms <= 308);  // at most one poll_max late
   CHECK(w.provider->charge_count() == 1);
 }
+
+TEST_CASE("asio: an unreachable store fails open (the action runs) or closed (it does not)") {
+  for (idem::FailureMode mode : {idem::FailureMode::fail_open, idem::FailureMode::fail_closed}) {
+    World w({.on_store_failure = mode});
+    w.faulty->set_unreachable(true);
+    net::io_context io;
+    Reply reply;
+    spawn(io, client(w, *w.idem, request("k1"), 0ms, reply));
+    idem::sim::run(io, *w.clock);
+    if (mode == idem::FailureMode::fail_open) {
+      CHECK(reply.text == "ch_1");
+      CHECK(reply.source == Outcome::Source::unprotected);
+      CHECK(w.provider->charge_count() == 1);
+    } else {
+      CHECK(reply.text.find("unreachable") != std::string::npos);
+      CHECK(w.provider->charge_count() == 0);
+    }
+    CHECK(w.idem->metrics().store_errors == 1);
+  }
+}

@@ -58,10 +58,13 @@ TEST_CASE("race: 50 coroutines on one io_context (4 threads), one key, 100 round
     std::atomic<int> executed{0};
     for (int i = 0; i < 50; ++i) {
       net::co_spawn(io, [&]() -> net::awaitable<void> {
-        const idem::Outcome o = co_await idem::async_call(*w.idem, request("k"), [&]() -> net::awaitable<idem::Response> {
+        // Named locals, not temporaries, in a co_await expression (g++ 12).
+        idem::Request req = request("k");
+        idem::AsyncAction action = [&]() -> net::awaitable<idem::Response> {
           const auto r = co_await w.provider->async_charge("A-1", 4990, "");
           co_return idem::Response{200, r.charge_id, {}};
-        });
+        };
+        const idem::Outcome o = co_await idem::async_call(*w.idem, std::move(req), std::move(action));
         if (o.source == idem::Outcome::Source::executed) ++executed;
         std::lock_guard lock(mutex);
         answers.push_back(o.response.body);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "idem/coordinator.hpp"
+#include "idem/sim/faulty_store.hpp"
 #include "idem/sim/provider.hpp"
 #include "idem/sim/simulated_clock.hpp"
 #include "idem/sqlite_store.hpp"
@@ -83,54 +84,6 @@ class RawDb {
   sqlite3* db_ = nullptr;
 };
 
-// A Store that fails on demand, around a real one (LevelDB's FaultInjectionTestEnv idea):
-// for a disk that stops taking writes, or a store that breaks between two steps.
-class FaultyStore final : public Store {
- public:
-  explicit FaultyStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
-
-  bool fail_reserve = false, fail_complete = false, fail_release = false, fail_load = false;
-
-  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now, TimePoint lease,
-                      TimePoint expires) override {
-    if (fail_reserve) throw StoreError("injected: disk I/O error", SQLITE_IOERR_WRITE);
-    return inner_->reserve(id, fp, now, lease, expires);
-  }
-  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r, TimePoint e) override {
-    if (fail_complete) throw StoreError("injected: database or disk is full", SQLITE_FULL);
-    return inner_->complete(id, token, r, e);
-  }
-  bool release(const KeyId& id, std::int64_t token, TimePoint now) override {
-    if (fail_release) throw StoreError("injected: disk I/O error", SQLITE_IOERR_WRITE);
-    return inner_->release(id, token, now);
-  }
-  bool renew(const KeyId& id, std::int64_t token, TimePoint lease) override {
-    return inner_->renew(id, token, lease);
-  }
-  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& p) override {
-    return inner_->set_recovery_point(id, token, p);
-  }
-  std::optional<Record> load(const KeyId& id) override {
-    if (fail_load) throw StoreError("injected: disk I/O error", SQLITE_IOERR_READ);
-    return inner_->load(id);
-  }
-  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fp,
-                                        const StoredResponse& r, TimePoint now,
-                                        TimePoint expires) override {
-    if (fail_complete) throw StoreError("injected: database or disk is full", SQLITE_FULL);
-    return inner_->store_if_absent(id, fp, r, now, expires);
-  }
-  std::size_t purge_expired(TimePoint now, std::size_t limit) override {
-    return inner_->purge_expired(now, limit);
-  }
-  std::vector<ReapedRecord> reap(TimePoint before, std::size_t limit) override {
-    return inner_->reap(before, limit);
-  }
-
- private:
-  std::shared_ptr<Store> inner_;
-};
-
 // One simulated world: a clock, a store on a temp file, a provider and a coordinator.
 struct World {
   TempDir dir;
@@ -140,12 +93,12 @@ struct World {
   std::shared_ptr<sim::Provider> provider;
   std::unique_ptr<Coordinator> idem;
 
-  std::shared_ptr<FaultyStore> faulty;  // wraps `store`; the coordinator uses it
+  std::shared_ptr<sim::FaultyStore> faulty;  // wraps `store`; the coordinator uses it
 
   explicit World(Options options = {}, sim::ProviderOptions provider_options = {},
                  SqliteOptions store_options = {}) {
     store = std::make_shared<SqliteStore>(db_path, store_options);
-    faulty = std::make_shared<FaultyStore>(store);
+    faulty = std::make_shared<sim::FaultyStore>(store);
     provider = std::make_shared<sim::Provider>(clock, std::move(provider_options));
     options.clock = clock;
     idem = std::make_unique<Coordinator>(faulty, std::move(options));

@@ -68,8 +68,12 @@ net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, As
     switch (s.kind) {
       case Kind::replay:
         co_return std::move(s.replay);
-      case Kind::unprotected:
-        co_return Outcome{co_await action(), Outcome::Source::unprotected};
+      case Kind::unprotected: {
+        // Not `Outcome{co_await action(), ...}`: g++ 12 destroys a co_await result inside a
+        // braced initializer twice.
+        Response response = co_await action();
+        co_return Outcome{std::move(response), Outcome::Source::unprotected};
+      }
       case Kind::execute: {
         Response response;
         std::exception_ptr failure;
@@ -90,7 +94,10 @@ net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, As
       case Kind::wait:
         break;
     }
-    if (!std::exchange(waited, true)) bump(d.counters.waited);
+    if (!std::exchange(waited, true)) {
+      bump(d.counters.waited);
+      d.log(LogLevel::debug, "waiting", c, s.holder, "another request holds the key; waiting for its outcome");
+    }
     auto waiter = std::make_shared<AsyncWaiter>(co_await net::this_coro::executor);
     const std::optional<TimePoint> wake = d.plan_wait(c, s, give_up, poll, waiter);
     if (!wake) continue;

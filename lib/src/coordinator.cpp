@@ -114,6 +114,7 @@ Coordinator::Impl::Step Coordinator::Impl::begin(const Call& c, TimePoint give_u
     }
     if (!found || !found->live_at(t)) {
       bump(counters.executed);
+      log(LogLevel::info, "cache_miss", c, 0, "InFlight::run: no stored result, running without a reservation");
       return Step(Kind::execute);
     }
   } else {
@@ -212,6 +213,8 @@ Outcome Coordinator::Impl::finish(const Call& c, std::int64_t token, Response re
   }
   if (winner && winner->state == State::completed && winner->fingerprint == c.fingerprint) {
     // InFlight::run lost the race to store: answer like the winner (the charge happened twice).
+    log(LogLevel::warning, "store_race_lost", c, 0,
+        "InFlight::run: another request stored first; answering with its result");
     Outcome out{std::move(winner->response), Outcome::Source::executed};
     if (!winner->body_ref.empty()) out.response.body = options.payload_store->get(winner->body_ref);
     return out;
@@ -374,7 +377,10 @@ Outcome Coordinator::call(const Request& request, const std::function<Response()
       case Kind::wait:
         break;
     }
-    if (!std::exchange(waited, true)) bump(d.counters.waited);
+    if (!std::exchange(waited, true)) {
+      bump(d.counters.waited);
+      d.log(LogLevel::debug, "waiting", c, s.holder, "another request holds the key; waiting for its outcome");
+    }
     auto waiter = std::make_shared<BlockingWaiter>();
     const std::optional<TimePoint> wake = d.plan_wait(c, s, give_up, poll, waiter);
     if (!wake) continue;

@@ -1,0 +1,99 @@
+#include "commands.hpp"
+
+#include <fmt/format.h>
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "idem/coordinator.hpp"
+#include "idem/http.hpp"
+#include "idem/sim/provider.hpp"
+#include "idem/sqlite_store.hpp"
+
+namespace idem::demo {
+namespace {
+
+InFlight policy_of(const std::string& name) {
+  if (name == "run") return InFlight::run;
+  if (name == "raise") return InFlight::raise;
+  return InFlight::wait;
+}
+
+}  // namespace
+
+int run_charge(const ChargeArgs& a) {
+  nlohmann::json line;
+  try {
+    auto clock = std::make_shared<SystemClock>();
+    sim::Provider provider(clock, {.latency = std::chrono::milliseconds(a.provider_latency_ms),
+                                   .dedup = a.provider_dedup,
+                                   .ledger_path = a.ledger});
+    if (a.crash_after_charge) provider.inject(sim::Fault::crash);
+
+    const auto lease = std::chrono::milliseconds(a.lease_ms);
+    Options options;
+    options.in_flight = policy_of(a.policy);
+    options.lease = lease;
+    options.heartbeat = lease / 3;
+    // A duplicate waits out a crashed holder's lease before it gives up.
+    options.max_wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(10), lease + std::chrono::seconds(1));
+    options.on_store_failure = a.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
+    options.clock = clock;
+    Coordinator idem(std::make_shared<SqliteStore>(a.db), options);
+
+    const nlohmann::json body = {{"amount", a.amount}, {"currency", a.currency}, {"order_id", a.order_id}};
+    Request req;
+    req.tenant = a.tenant;
+    req.operation = a.operation;
+    req.key = a.key;
+    req.fingerprint = Fingerprint::of(body);
+    line["key_hash"] = short_hash({a.tenant, a.operation, a.key});
+
+    // The provider gets a key derived from the record: the same on every retry, in every
+    // process, after a crash (SPEC §7).
+    const std::string downstream = derived_key({a.tenant, a.operation, a.key}, "charge");
+    const Outcome out = idem.call(req, [&] {
+      const sim::ChargeResult r = provider.charge(a.order_id, a.amount, downstream);
+      if (r.declined) {
+        return Response{402, nlohmann::json{{"status", "declined"}, {"reason", r.reason}}.dump(), {}};
+      }
+      return Response{200, nlohmann::json{{"charge_id", r.charge_id}, {"amount", a.amount},
+                                          {"currency", a.currency}, {"order_id", a.order_id}}.dump(), {}};
+    });
+    const Response http = to_http(out);
+    line["outcome"] = out.source == Outcome::Source::replayed      ? "replayed"
+                      : out.source == Outcome::Source::unprotected ? "unprotected"
+                                                                   : "executed";
+    line["status"] = http.status;
+    const auto stored = nlohmann::json::parse(out.response.body);
+    if (stored.contains("charge_id")) line["charge_id"] = stored["charge_id"];
+  } catch (const error& e) {
+    static const std::map<errc, std::string> names = {
+        {errc::in_progress, "in_progress"},       {errc::key_reuse, "key_reuse"},
+        {errc::store_unavailable, "store_unavailable"}, {errc::lease_lost, "lease_lost"},
+        {errc::invalid_key, "invalid_key"},       {errc::invalid_argument, "invalid_argument"}};
+    line["outcome"] = names.at(e.code());
+    line["status"] = http_status(e.code());
+    line["error"] = e.what();
+  } catch (const std::exception& e) {
+    line["outcome"] = "error";
+    line["error"] = e.what();
+  }
+  std::cout << line.dump() << std::endl;
+  return line.contains("charge_id") ? 0 : 1;
+}
+
+int run_ledger(const std::string& ledger) {
+  auto clock = std::make_shared<SystemClock>();
+  sim::Provider provider(clock, {.ledger_path = ledger});
+  nlohmann::json charges = nlohmann::json::array();
+  for (const sim::Charge& c : provider.charges()) {
+    charges.push_back({{"id", c.id}, {"order_id", c.order_id}, {"amount", c.amount},
+                       {"idempotency_key", c.idempotency_key},
+                       {"at_ms", c.at.time_since_epoch().count()}});
+  }
+  std::cout << nlohmann::json{{"count", charges.size()}, {"charges", charges}}.dump() << std::endl;
+  return 0;
+}
+
+}  // namespace idem::demo

@@ -1,0 +1,34 @@
+// The one-shot commands of idem-demo: one real-time charge through the coordinator from this
+// process, and the provider's statement.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+namespace idem::demo {
+
+struct ChargeArgs {
+  std::string db;
+  std::string ledger;
+  std::string key;
+  std::string tenant = "alpha";
+  std::string operation = "payment.charge";
+  long long amount = 4990;
+  std::string currency = "RUB";
+  std::string order_id = "A-10023";
+  std::string policy = "wait";
+  long long lease_ms = 30000;
+  long long provider_latency_ms = 300;
+  bool provider_dedup = true;
+  bool fail_closed = false;
+  bool crash_after_charge = false;
+};
+
+// Prints one JSON line (outcome, charge_id, status, ...) and returns the exit code: 0 when a
+// charge id came back, 1 otherwise.
+int run_charge(const ChargeArgs& args);
+
+// Prints the ledger as JSON: {"count": n, "charges": [...]}. Returns the exit code.
+int run_ledger(const std::string& ledger);
+
+}  // namespace idem::demo

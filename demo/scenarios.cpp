@@ -1,0 +1,300 @@
+#include "scenarios.hpp"
+
+#include <utility>  // before Asio (Boost 1.74)
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <nlohmann/json.hpp>
+
+#include "idem/asio.hpp"
+#include "idem/http.hpp"
+#include "idem/sim/driver.hpp"
+#include "idem/sim/faulty_store.hpp"
+#include "idem/sim/provider.hpp"
+#include "idem/sqlite_store.hpp"
+
+namespace idem::demo {
+namespace {
+
+namespace net = boost::asio;
+using namespace std::chrono_literals;
+
+constexpr auto kLatency = 300ms;
+
+// One scenario's world: a clock, one store, one provider, one coordinator.
+struct Scenario {
+  const RunOptions& run;
+  std::shared_ptr<sim::SimulatedClock> sim;
+  std::shared_ptr<Clock> clock;
+  TimePoint start;
+  std::shared_ptr<sim::FaultyStore> store;
+  std::shared_ptr<sim::Provider> provider;
+  std::unique_ptr<Coordinator> idem;
+  net::io_context io;
+
+  Scenario(const RunOptions& r, Options options)
+      : run(r),
+        sim(r.real_time ? nullptr : std::make_shared<sim::SimulatedClock>()),
+        clock(r.real_time ? std::shared_ptr<Clock>(std::make_shared<SystemClock>()) : sim),
+        start(clock->now()),
+        store(std::make_shared<sim::FaultyStore>(std::make_shared<SqliteStore>(":memory:"))) {
+    // The provider does not deduplicate here: the table shows what idem alone prevents.
+    provider = std::make_shared<sim::Provider>(clock, sim::ProviderOptions{.latency = kLatency, .dedup = false});
+    options.clock = clock;
+    if (run.timeline != nullptr) {
+      options.log = [this](const LogEvent& e) {
+        run.timeline->add(ms(e.at), "idem", fmt::format("{} key {}{}{}", e.event, e.key_hash,
+                                                         e.message.empty() ? "" : ": ", e.message));
+      };
+      provider->on_event([this](TimePoint at, const std::string& line) { run.timeline->add(ms(at), "bank", line); });
+    }
+    idem = std::make_unique<Coordinator>(store, std::move(options));
+  }
+
+  long long ms(TimePoint t) const { return (t - start).count(); }
+
+  void note(const std::string& who, const std::string& what) {
+    if (run.timeline != nullptr) run.timeline->add(ms(clock->now()), who, what);
+  }
+
+  void drive() {
+    if (sim) {
+      sim::run(io, *sim);
+    } else {
+      io.run();
+    }
+  }
+};
+
+Request charge_request(long long amount) {
+  Request r;
+  r.tenant = "alpha";
+  r.operation = "payment.charge";
+  r.key = "7f3c1e8a-4b2d-4e91-a5f6-9c0d3b7e2a41";
+  r.fingerprint = Fingerprint::of(nlohmann::json{{"amount", amount}, {"order_id", "A-10023"}});
+  return r;
+}
+
+struct Answer {
+  std::string text;  // charge id, or the name of the error
+  int status = 0;    // as HTTP would say it
+};
+
+// A client sending a charge of `amount` at `at` after the start, always with the same key.
+// The action charges the provider.
+net::awaitable<void> client(Scenario& s, std::string label, long long amount,
+                            std::chrono::milliseconds at, Answer& out) {
+  co_await async_sleep_until(*s.clock, s.start + at);
+  s.note(label, "sends the request");
+  // Named locals, not temporaries, in a co_await expression: g++ 12 can destroy such
+  // temporaries twice.
+  Request request = charge_request(amount);
+  AsyncAction action = [&s, amount]() -> net::awaitable<Response> {
+    const sim::ChargeResult r = co_await s.provider->async_charge("A-10023", amount, "");
+    co_return Response{200, nlohmann::json{{"charge_id", r.charge_id}}.dump(), {}};
+  };
+  try {
+    const Outcome o = co_await async_call(*s.idem, std::move(request), std::move(action));
+    out.status = to_http(o).status;
+    out.text = nlohmann::json::parse(o.response.body).at("charge_id").get<std::string>();
+    if (o.replayed()) out.text = "replayed " + out.text;
+  } catch (const InProgressError& e) {
+    out = {"IdempotencyInProgressError", to_http(e).status};
+  } catch (const KeyReuseError& e) {
+    out = {"IdempotencyKeyReuseError", to_http(e).status};
+  } catch (const StoreError& e) {
+    out = {"StoreUnavailable", to_http(e).status};
+  } catch (const sim::ProviderTimeout& e) {
+    out = {"provider timed out", 504};
+  }
+  s.note(label, "<- " + out.text);
+}
+
+// Clients one after another, each sending when the previous one has its answer. (A named
+// coroutine, not a capturing lambda: the lambda object would die before its frame.)
+net::awaitable<void> in_sequence(Scenario& s, std::vector<std::pair<long long, Answer*>> calls) {
+  int n = 0;
+  for (auto& [amount, answer] : calls) {
+    std::string label = fmt::format("req{}", ++n);
+    co_await client(s, std::move(label), amount, std::chrono::milliseconds(0), *answer);
+  }
+}
+
+void spawn(Scenario& s, net::awaitable<void> task) {
+  net::co_spawn(s.io, std::move(task), [](std::exception_ptr e) {
+    if (e) std::rethrow_exception(e);
+  });
+}
+
+std::string strip_replayed(const std::string& text) {
+  return text.starts_with("replayed ") ? text.substr(9) : text;
+}
+
+std::string py_list(const std::vector<std::string>& items) {
+  std::vector<std::string> quoted;
+  for (const auto& i : items) quoted.push_back(fmt::format("'{}'", i));
+  return fmt::format("[{}]", fmt::join(quoted, ", "));
+}
+
+}  // namespace
+
+void Timeline::add(long long at_ms, std::string who, std::string what) {
+  events_.push_back({at_ms, std::move(who), std::move(what)});
+}
+
+std::vector<std::string> Timeline::lines() const {
+  std::vector<Event> sorted = events_;
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [](const Event& a, const Event& b) { return a.at_ms < b.at_ms; });
+  std::vector<std::string> out;
+  for (const Event& e : sorted) out.push_back(fmt::format("    t={:>4} ms  {:<6} {}", e.at_ms, e.who, e.what));
+  return out;
+}
+
+InFlightRow in_flight_row(InFlight policy, const RunOptions& run) {
+  Scenario s(run, Options{.in_flight = policy});
+  std::vector<Answer> answers(2);
+  spawn(s, client(s, "req1", 4990, 0ms, answers[0]));
+  spawn(s, client(s, "req2", 4990, 50ms, answers[1]));
+  s.drive();
+  InFlightRow row;
+  for (const Answer& a : answers) row.responses.push_back(strip_replayed(a.text));
+  row.charges = s.provider->charge_ids();
+  return row;
+}
+
+KeyReuse key_reuse(const RunOptions& run) {
+  Scenario s(run, Options{});
+  Answer first, same, other;
+  spawn(s, in_sequence(s, {{4990, &first}, {4990, &same}, {5, &other}}));
+  KeyReuse out;
+  s.drive();
+  out.same_amount = same.text;
+  out.other_amount = other.text;
+  out.charges_after_same = out.charges_after_other = s.provider->charge_count();
+  return out;
+}
+
+FailureNotCached failure_not_cached(const RunOptions& run) {
+  Scenario s(run, Options{});
+  s.provider->inject(sim::Fault::timeout);
+  Answer first, second;
+  spawn(s, in_sequence(s, {{4990, &first}, {4990, &second}}));
+  s.drive();
+  return FailureNotCached{first.text, second.text, s.provider->charge_count()};
+}
+
+StoreUnreachable store_unreachable(FailureMode mode, const RunOptions& run) {
+  Scenario s(run, Options{.on_store_failure = mode});
+  s.store->set_unreachable(true);
+  Answer answer;
+  spawn(s, client(s, "req1", 4990, 0ms, answer));
+  s.drive();
+  return StoreUnreachable{answer.text, s.provider->charge_count()};
+}
+
+HttpView http_view(InFlight policy, const RunOptions& run) {
+  Scenario s(run, Options{.in_flight = policy});
+  std::vector<Answer> answers(20);
+  for (std::size_t i = 0; i < answers.size(); ++i) {
+    spawn(s, client(s, fmt::format("req{}", i + 1), 4990, 0ms, answers[i]));
+  }
+  s.drive();
+  HttpView view;
+  for (const Answer& a : answers) {
+    view.statuses.push_back(a.status);
+    if (a.status == 200) {
+      const std::string id = strip_replayed(a.text);
+      if (std::find(view.charge_ids.begin(), view.charge_ids.end(), id) == view.charge_ids.end()) {
+        view.charge_ids.push_back(id);
+      }
+    }
+  }
+  std::sort(view.statuses.begin(), view.statuses.end());
+  view.charges = s.provider->charge_count();
+  return view;
+}
+
+std::string render_table(bool real_time, bool with_timeline) {
+  std::string out;
+  auto put = [&out](const std::string& line) { out += line + '\n'; };
+  auto timeline_of = [&](Timeline& t) {
+    if (!with_timeline) return;
+    for (const std::string& line : t.lines()) put(line);
+  };
+
+  put("in-flight duplicate: request at t=0, identical retry at t=50 ms, provider latency 300 ms");
+  const struct {
+    InFlight policy;
+    const char* label;
+  } rows[] = {{InFlight::run, "(a result cache)"},
+              {InFlight::wait, "(the default)"},
+              {InFlight::raise, "(409 for the second)"}};
+  for (const auto& r : rows) {
+    Timeline t;
+    const InFlightRow row = in_flight_row(r.policy, {real_time, &t});
+    put(fmt::format("in_flight={:<8} {:<24} responses={:<36} charges made={}",
+                    fmt::format("'{}'", to_string(r.policy)), r.label, py_list(row.responses),
+                    py_list(row.charges)));
+    timeline_of(t);
+  }
+
+  put("");
+  put("key reuse: the same key with the same amount, then with amount 5");
+  {
+    Timeline t;
+    const KeyReuse k = key_reuse({real_time, &t});
+    put(fmt::format("{:<25} -> {}, charges made={}", "same key, same amount", k.same_amount, k.charges_after_same));
+    put(fmt::format("{:<25} -> {}, charges made={}", "same key, amount 5", k.other_amount, k.charges_after_other));
+    timeline_of(t);
+  }
+
+  put("");
+  put("failures are not cached: the provider times out, the client retries");
+  {
+    Timeline t;
+    const FailureNotCached f = failure_not_cached({real_time, &t});
+    put(fmt::format("{:<11} -> {}", "first call", f.first));
+    put(fmt::format("{:<11} -> {}, charges made={}", "second call", f.second, f.charges));
+    timeline_of(t);
+  }
+
+  put("");
+  put("the idempotency store is unreachable");
+  {
+    Timeline t;
+    const StoreUnreachable open = store_unreachable(FailureMode::fail_open, {real_time, &t});
+    put(fmt::format("fail_open:   store unreachable -> the action ran anyway: {}, charges made={}  "
+                    "(availability over exactly-once, by design)",
+                    open.outcome, open.charges));
+    timeline_of(t);
+    Timeline t2;
+    const StoreUnreachable closed = store_unreachable(FailureMode::fail_closed, {real_time, &t2});
+    put(fmt::format("fail_closed: store unreachable -> {}, the action did not run: charges made={}  "
+                    "(exactly-once over availability)",
+                    closed.outcome, closed.charges));
+    timeline_of(t2);
+  }
+
+  put("");
+  put("HTTP view: 20 identical requests with one Idempotency-Key, all at once");
+  for (InFlight policy : {InFlight::raise, InFlight::wait}) {
+    Timeline t;
+    const HttpView v = http_view(policy, {real_time, &t});
+    const auto n200 = std::count(v.statuses.begin(), v.statuses.end(), 200);
+    const auto n409 = std::count(v.statuses.begin(), v.statuses.end(), 409);
+    put(fmt::format("in_flight={:<8} -> {}, charges made={}", fmt::format("'{}'", to_string(policy)),
+                    n409 > 0 ? fmt::format("{} x 200, {} x 409", n200, n409)
+                             : fmt::format("{} x 200, all {}", n200, fmt::join(v.charge_ids, ", ")),
+                    v.charges));
+    put(fmt::format("    sorted statuses: {}", v.statuses));
+    timeline_of(t);
+  }
+  return out;
+}
+
+}  // namespace idem::demo

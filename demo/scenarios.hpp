@@ -1,0 +1,78 @@
+// The scenarios behind `idem-demo table`: the comparison of seeds/001 run on idem's real
+// coordinator and SQLite store against the simulated provider, on simulated time by default
+// (identical on every run, under any load) or on real timers.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "idem/options.hpp"
+
+namespace idem::demo {
+
+// Events of one scenario on its clock, for `table --timeline`.
+class Timeline {
+ public:
+  void add(long long at_ms, std::string who, std::string what);
+  // Lines "    t=  50 ms  req2   sends the request", in time order (stable for ties).
+  std::vector<std::string> lines() const;
+  bool empty() const { return events_.empty(); }
+
+ private:
+  struct Event {
+    long long at_ms;
+    std::string who;
+    std::string what;
+  };
+  std::vector<Event> events_;
+};
+
+struct RunOptions {
+  bool real_time = false;          // real 300 ms timers instead of the simulated clock
+  Timeline* timeline = nullptr;    // where to record events, if anywhere
+};
+
+// Request 1 at t=0, an identical duplicate at t=50 ms, provider latency 300 ms.
+struct InFlightRow {
+  std::vector<std::string> responses;  // per request: charge id or the error's name
+  std::vector<std::string> charges;    // the provider's statement
+};
+InFlightRow in_flight_row(InFlight policy, const RunOptions& run = {});
+
+// The same key sent again with the same amount, then with amount 5.
+struct KeyReuse {
+  std::string same_amount;      // "replayed ch_1"
+  std::size_t charges_after_same = 0;
+  std::string other_amount;     // "IdempotencyKeyReuseError"
+  std::size_t charges_after_other = 0;
+};
+KeyReuse key_reuse(const RunOptions& run = {});
+
+// The provider times out on the first call; the client retries.
+struct FailureNotCached {
+  std::string first;   // "provider timed out"
+  std::string second;  // "ch_1"
+  std::size_t charges = 0;
+};
+FailureNotCached failure_not_cached(const RunOptions& run = {});
+
+// The idempotency store is unreachable when a charge arrives.
+struct StoreUnreachable {
+  std::string outcome;  // the charge id, or "StoreUnavailable"
+  std::size_t charges = 0;
+};
+StoreUnreachable store_unreachable(FailureMode mode, const RunOptions& run = {});
+
+// Twenty identical requests with one key at once, answered as HTTP.
+struct HttpView {
+  std::vector<int> statuses;             // sorted
+  std::vector<std::string> charge_ids;   // distinct charge ids among the 200s
+  std::size_t charges = 0;
+};
+HttpView http_view(InFlight policy, const RunOptions& run = {});
+
+// The whole table as `idem-demo table` prints it.
+std::string render_table(bool real_time, bool with_timeline);
+
+}  // namespace idem::demo

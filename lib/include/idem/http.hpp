@@ -1,0 +1,39 @@
+// idem — coordinator outcomes as HTTP responses, for any C++ HTTP server.
+//
+// Successes and stored business outcomes keep the status and body the action returned;
+// replays carry "Idempotent-Replayed: true". idem's errors become RFC 9457 problem
+// details (application/problem+json) with an extra member "error" holding a stable code.
+#pragma once
+
+#include <string_view>
+
+#include "idem/coordinator.hpp"
+#include "idem/errors.hpp"
+#include "idem/response.hpp"
+
+namespace idem {
+
+// The header that marks a replayed response.
+inline constexpr std::string_view kReplayedHeader = "Idempotent-Replayed";
+
+// 400 invalid_key and invalid_argument, 422 key_reuse, 409 in_progress and lease_lost,
+// 503 store_unavailable.
+int http_status(errc code) noexcept;
+
+// The stable "error" code of a problem body: idempotency_key_required (a missing key),
+// idempotency_key_invalid, invalid_request, idempotency_key_reuse, idempotency_key_in_use,
+// lease_lost, store_unavailable.
+std::string_view http_error_code(const error& e) noexcept;
+
+// The outcome as sent: its response, plus "Idempotent-Replayed: true" when replayed.
+Response to_http(const Outcome& outcome);
+
+// The error as sent: problem+json with type, title, status, detail and error; InProgressError
+// adds Retry-After (whole seconds, at least 1).
+Response to_http(const error& e);
+
+// A problem+json response for errors that are not idem's (400 invalid_request, 401, 502...).
+Response problem(int status, std::string_view error_code, std::string_view title,
+                 std::string_view detail);
+
+}  // namespace idem
