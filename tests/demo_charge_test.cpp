@@ -1,0 +1,121 @@
+// `idem-demo charge` as separate processes on one database: the single-node multi-process
+// promise, and what a crash between the charge and the completion costs with and without
+// provider deduplication. Real time: the processes really overlap.
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+extern char** environ;
+
+namespace {
+
+struct Run {
+  pid_t pid = 0;
+  std::string out;
+};
+
+// Starts idem-demo with `args`, stdout to a file in `dir`.
+Run start(const idem::test::TempDir& dir, const std::string& name, std::vector<std::string> args) {
+  Run r;
+  r.out = dir.file(name + ".out");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, r.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  args.insert(args.begin(), IDEM_DEMO);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  REQUIRE(posix_spawn(&r.pid, IDEM_DEMO, &actions, nullptr, argv.data(), environ) == 0);
+  posix_spawn_file_actions_destroy(&actions);
+  return r;
+}
+
+// Waits for `r`; returns its exit status (or 128 + signal) and parses its one JSON line.
+int finish(const Run& r, nlohmann::json& line) {
+  int status = 0;
+  REQUIRE(waitpid(r.pid, &status, 0) == r.pid);
+  std::ifstream in(r.out);
+  std::stringstream text;
+  text << in.rdbuf();
+  line = text.str().empty() ? nlohmann::json() : nlohmann::json::parse(text.str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+long long ledger_count(const idem::test::TempDir& dir, const std::string& ledger) {
+  nlohmann::json line;
+  REQUIRE(finish(start(dir, "ledger", {"ledger", "--ledger", ledger}), line) == 0);
+  return line.at("count").get<long long>();
+}
+
+}  // namespace
+
+TEST_CASE("demo charge: eight processes with one key print one charge id; the ledger has one charge") {
+  idem::test::TempDir dir;
+  const std::string db = dir.file("keys.db"), ledger = dir.file("ledger.db");
+  std::vector<Run> runs;
+  for (int i = 0; i < 8; ++i) {
+    runs.push_back(start(dir, "p" + std::to_string(i),
+                         {"charge", "--db", db, "--ledger", ledger, "--key", "order-A-10023",
+                          "--provider-dedup", "off"}));
+  }
+  int executed = 0;
+  for (const Run& r : runs) {
+    nlohmann::json line;
+    CHECK(finish(r, line) == 0);
+    CAPTURE(line.dump());
+    CHECK(line.at("charge_id") == "ch_1");
+    if (line.at("outcome") == "executed") ++executed;
+  }
+  CHECK(executed == 1);
+  CHECK(ledger_count(dir, ledger) == 1);  // provider dedup off: one charge is idem's doing
+}
+
+TEST_CASE("demo charge: a crash after the charge, then a retry past the lease: provider dedup decides") {
+  for (const std::string dedup : {"on", "off"}) {
+    CAPTURE(dedup);
+    idem::test::TempDir dir;
+    const std::string db = dir.file("keys.db"), ledger = dir.file("ledger.db");
+    const std::vector<std::string> common = {"charge", "--db", db, "--ledger", ledger, "--key", "k-crash",
+                                             "--lease-ms", "300", "--provider-latency-ms", "20",
+                                             "--provider-dedup", dedup};
+    std::vector<std::string> crash = common;
+    crash.push_back("--crash-after-charge");
+    nlohmann::json line;
+    CHECK(finish(start(dir, "crash", crash), line) == 70);  // died after the charge was made
+    CHECK(line.is_null());                                   // ...before answering
+    CHECK(ledger_count(dir, ledger) == 1);
+    // The retry finds the key reserved by the dead process, waits out its lease, takes over
+    // and runs again, passing the same derived key to the provider.
+    REQUIRE(finish(start(dir, "retry", common), line) == 0);
+    CHECK(line.at("outcome") == "executed");
+    if (dedup == "on") {
+      CHECK(line.at("charge_id") == "ch_1");
+      CHECK(ledger_count(dir, ledger) == 1);
+    } else {
+      CHECK(line.at("charge_id") == "ch_2");
+      CHECK(ledger_count(dir, ledger) == 2);
+    }
+  }
+}
+
+TEST_CASE("demo charge: bad input is refused with a clear error and nothing is stored") {
+  idem::test::TempDir dir;
+  const std::string db = dir.file("keys.db"), ledger = dir.file("ledger.db");
+  nlohmann::json line;
+  CHECK(finish(start(dir, "bad", {"charge", "--db", db, "--ledger", ledger, "--key", std::string(256, 'k')}), line) == 1);
+  CHECK(line.at("outcome") == "invalid_key");
+  CHECK(line.at("error") == "idempotency key is longer than 255 bytes (256 bytes)");
+  CHECK(ledger_count(dir, ledger) == 0);
+  idem::test::RawDb raw(db);
+  CHECK(raw.rows() == 0);
+}
