@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "commands.hpp"
+#include "server/server.hpp"
 #include "scenarios.hpp"
 
 int main(int argc, char** argv) {
@@ -37,6 +38,20 @@ int main(int argc, char** argv) {
   CLI::App* ledger_cmd = app.add_subcommand("ledger", "Print the provider's charges as JSON");
   ledger_cmd->add_option("--ledger", ledger, "Provider ledger (SQLite file)")->required();
 
+  idem::demo::ServerOptions serve_options;
+  std::string serve_policy = "raise";
+  std::string api_keys_file;
+  long long serve_latency_ms = 300;
+  CLI::App* serve = app.add_subcommand("serve", "Serve the payments API over HTTP (POST /v1/payments ...)");
+  serve->add_option("--port", serve_options.port, "TCP port (0: any free port)")->capture_default_str();
+  serve->add_option("--host", serve_options.host, "Address to bind")->capture_default_str();
+  serve->add_option("--db", serve_options.api.db, "Idempotency keys and payments (SQLite file)")->required();
+  serve->add_option("--ledger", serve_options.api.ledger, "Provider ledger (SQLite file; default: in memory)");
+  serve->add_option("--policy", serve_policy, "In-flight policy")->check(CLI::IsMember({"raise", "wait"}))->capture_default_str();
+  serve->add_option("--provider-latency-ms", serve_latency_ms, "Provider latency")->check(CLI::NonNegativeNumber)->capture_default_str();
+  serve->add_flag("--fail-closed", serve_options.api.fail_closed, "Answer 503 instead of charging when the store fails");
+  serve->add_option("--api-keys", api_keys_file, "File of \"api_key tenant\" lines (default: sk_test_alpha, sk_test_beta)");
+
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -45,6 +60,18 @@ int main(int argc, char** argv) {
       return idem::demo::run_charge(c);
     }
     if (ledger_cmd->parsed()) return idem::demo::run_ledger(ledger);
+    if (serve->parsed()) {
+      serve_options.api.policy = serve_policy == "wait" ? idem::InFlight::wait : idem::InFlight::raise;
+      serve_options.api.provider_latency = std::chrono::milliseconds(serve_latency_ms);
+      if (!api_keys_file.empty()) serve_options.api.api_keys = idem::demo::load_api_keys(api_keys_file);
+      serve_options.handle_signals = true;
+      idem::demo::Server server(serve_options);
+      std::cerr << "idem-demo: serving on http://" << serve_options.host << ':' << server.port()
+                << " (policy " << serve_policy << "; Ctrl-C stops)" << std::endl;
+      server.run();
+      std::cerr << "idem-demo: stopped" << std::endl;
+      return 0;
+    }
     std::cout << idem::demo::render_table(real_time, timeline);
     return 0;
   } catch (const std::exception& e) {

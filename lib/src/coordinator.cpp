@@ -149,6 +149,7 @@ Coordinator::Impl::Step Coordinator::Impl::begin(const Call& c, TimePoint give_u
     Step s(Kind::replay);
     s.replay.source = Outcome::Source::replayed;
     s.replay.response = std::move(found->response);
+    s.replay.expires_at = found->expires_at;
     if (!found->body_ref.empty()) s.replay.response.body = options.payload_store->get(found->body_ref);
     return s;
   }
@@ -215,13 +216,13 @@ Outcome Coordinator::Impl::finish(const Call& c, std::int64_t token, Response re
     // InFlight::run lost the race to store: answer like the winner (the charge happened twice).
     log(LogLevel::warning, "store_race_lost", c, 0,
         "InFlight::run: another request stored first; answering with its result");
-    Outcome out{std::move(winner->response), Outcome::Source::executed};
+    Outcome out{std::move(winner->response), Outcome::Source::executed, winner->expires_at};
     if (!winner->body_ref.empty()) out.response.body = options.payload_store->get(winner->body_ref);
     return out;
   }
   if (!winner) bump(counters.completed);
   log(LogLevel::debug, "completed", c, token, "");
-  return Outcome{std::move(response), Outcome::Source::executed};
+  return Outcome{std::move(response), Outcome::Source::executed, t + c.ttl};
 }
 
 void Coordinator::Impl::abandon(const Call& c, std::int64_t token) noexcept {

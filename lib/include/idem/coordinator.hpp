@@ -44,6 +44,9 @@ struct Outcome {
   };
   Response response;
   Source source = Source::executed;
+  // Until when the key is remembered (the stored record's TTL end); the epoch when nothing
+  // was stored (unprotected, or the store failed after the action).
+  TimePoint expires_at{};
   bool replayed() const noexcept { return source == Source::replayed; }
 };
 
