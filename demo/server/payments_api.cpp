@@ -156,7 +156,9 @@ struct PaymentsApi::Impl {
     idem_options.ttl = options.ttl;
     idem_options.on_store_failure = options.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
     idem_options.clock = clock;
-    idem = std::make_unique<Coordinator>(std::make_shared<SqliteStore>(options.db), std::move(idem_options));
+    idem = std::make_unique<Coordinator>(
+        std::make_shared<SqliteStore>(options.db, SqliteOptions{.busy_timeout = options.store_busy_timeout}),
+        std::move(idem_options));
     db = detail::open_connection(options.db, &busy);
     detail::enable_wal(db.get(), busy);
     detail::exec(db.get(), kPaymentsSchema);

@@ -43,6 +43,7 @@ struct ApiOptions {
   // API key -> tenant. Empty: the two demo keys sk_test_alpha -> alpha, sk_test_beta -> beta.
   std::map<std::string, std::string> api_keys{};
   std::chrono::milliseconds ttl{std::chrono::hours(24)};
+  std::chrono::milliseconds store_busy_timeout{std::chrono::seconds(5)};
 };
 
 // Reads "api_key tenant" lines ('#' starts a comment). Throws std::runtime_error naming the
