@@ -1,6 +1,8 @@
 #include "idem/asio.hpp"
 
+#include <boost/asio/associated_executor.hpp>
 #include <boost/asio/async_result.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
@@ -67,6 +69,21 @@ class AsyncWaiter {
   std::shared_ptr<Handle> handle_;
 };
 
+// Queues `op` with the coordinator's other pending writes and suspends until the batch it
+// joined is committed. The first writer of a batch posts the flush, so every coroutine that
+// becomes ready in the same turn of the io_context joins it.
+net::awaitable<void> write(Coordinator::Impl& d, StoreOp& op) {
+  co_await net::async_initiate<decltype(net::use_awaitable), void()>(
+      [&d, &op](auto handler) {
+        auto ex = net::get_associated_executor(handler);
+        auto shared = std::make_shared<decltype(handler)>(std::move(handler));
+        if (d.queue_write(op, [shared]() mutable { net::post(std::move(*shared)); })) {
+          net::post(ex, [&d] { d.flush_writes(); });
+        }
+      },
+      net::use_awaitable);
+}
+
 }  // namespace
 
 net::awaitable<void> async_sleep_until(Clock& clock, TimePoint at) {
@@ -81,10 +98,16 @@ net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, As
   std::chrono::milliseconds poll = d.options.poll_initial;
   bool waited = false;
   for (;;) {
-    Coordinator::Impl::Step s = d.begin(c, give_up);
-    switch (s.kind) {
+    const TimePoint t = d.now();
+    std::optional<Coordinator::Impl::Step> s = d.look(c, t, give_up);
+    if (!s) {
+      StoreOp op = d.reserve_op(c, t);
+      co_await write(d, op);
+      s.emplace(d.reserved(c, op, t, give_up));
+    }
+    switch (s->kind) {
       case Kind::replay:
-        co_return std::move(s.replay);
+        co_return std::move(s->replay);
       case Kind::unprotected: {
         // Not `Outcome{co_await action(), ...}`: g++ 12 destroys a co_await result inside a
         // braced initializer twice.
@@ -92,10 +115,11 @@ net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, As
         co_return Outcome{std::move(response), Outcome::Source::unprotected};
       }
       case Kind::execute: {
+        const std::int64_t token = s->token;
         Response response;
         std::exception_ptr failure;
         {
-          Heartbeat heartbeat(d, c, s.token);
+          Heartbeat heartbeat(d, c, token);
           try {
             response = co_await action();
           } catch (...) {
@@ -103,20 +127,26 @@ net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, As
           }
         }
         if (failure) {
-          d.abandon(c, s.token);
+          d.abandon(c, token);
           std::rethrow_exception(failure);
         }
-        co_return d.finish(c, s.token, std::move(response));
+        if (token == 0) co_return d.finish_unreserved(c, std::move(response));
+        Coordinator::Impl::Completion done;
+        if (!d.prepare_completion(c, token, response, done)) {
+          co_return Outcome{std::move(response), Outcome::Source::executed};
+        }
+        co_await write(d, done.op);
+        co_return d.completed(c, token, done, std::move(response));
       }
       case Kind::wait:
         break;
     }
     if (!std::exchange(waited, true)) {
       bump(d.counters.waited);
-      d.log(LogLevel::debug, "waiting", c, s.holder, "another request holds the key; waiting for its outcome");
+      d.log(LogLevel::debug, "waiting", c, s->holder, "another request holds the key; waiting for its outcome");
     }
     AsyncWaiter waiter(co_await net::this_coro::executor);
-    const std::optional<TimePoint> wake = d.plan_wait(c, s, give_up, poll, waiter.handle());
+    const std::optional<TimePoint> wake = d.plan_wait(c, *s, give_up, poll, waiter.handle());
     if (!wake) continue;
     if (*wake > d.now()) co_await waiter.wait_until(*d.clock, *wake);
     d.inflight.unsubscribe(c.id, waiter.handle());

@@ -24,7 +24,7 @@ SystemClock::~SystemClock() {
     std::lock_guard lock(mutex_);
     stopping_ = true;
   }
-  cv_.notify_all();
+  cv_.notify_all();  // whatever it waits for
   if (thread_.joinable()) thread_.join();
 }
 
@@ -37,8 +37,11 @@ Clock::TimerId SystemClock::call_at(TimePoint at, std::function<void()> fn) {
   const TimerId id = next_id_++;
   pending_.emplace(std::make_pair(at, id), std::move(fn));
   deadline_of_.emplace(id, at);
-  if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
-  cv_.notify_all();
+  if (!thread_.joinable()) {
+    thread_ = std::thread([this] { run(); });
+  } else if (at < wakes_at_) {
+    cv_.notify_one();
+  }
   return id;
 }
 
@@ -54,6 +57,7 @@ void SystemClock::run() {
   std::unique_lock lock(mutex_);
   while (!stopping_) {
     if (pending_.empty()) {
+      wakes_at_ = TimePoint::max();
       cv_.wait(lock);
       continue;
     }
@@ -61,9 +65,11 @@ void SystemClock::run() {
     const TimePoint due = first->first.first;
     if (now() < due) {
       // Wait on the system clock itself, so a deadline is met in wall time.
+      wakes_at_ = due;
       cv_.wait_until(lock, std::chrono::system_clock::time_point(due));
       continue;
     }
+    wakes_at_ = TimePoint::min();  // running calls: it will look at pending_ again anyway
     std::function<void()> fn = std::move(first->second);
     deadline_of_.erase(first->first.second);
     pending_.erase(first);

@@ -97,60 +97,79 @@ Coordinator::Impl::Call Coordinator::Impl::prepare(const Request& r) const {
   return c;
 }
 
-Coordinator::Impl::Step Coordinator::Impl::begin(const Call& c, TimePoint give_up) {
+std::optional<Coordinator::Impl::Step> Coordinator::Impl::look(const Call& c, TimePoint t,
+                                                              TimePoint give_up) {
   if (!c.has_key) {
     bump(counters.ran_unprotected);
     log(LogLevel::warning, "ran_unprotected", c, 0, "request without an idempotency key");
     return Step(Kind::unprotected);
   }
-  const TimePoint t = now();
+  // A read first: a replay or a conflict needs no write transaction.
   std::optional<Record> found;
+  try {
+    found = store->load(c.id);
+  } catch (const StoreError& e) {
+    return on_store_failure(c, e);
+  }
+  if (found && found->live_at(t)) return on_live(c, std::move(*found), t, give_up);
   if (c.policy == InFlight::run) {
-    // The result cache: look, and if nothing is stored, run. No reservation.
-    try {
-      found = store->load(c.id);
-    } catch (const StoreError& e) {
-      return on_store_failure(c, e);
-    }
-    if (!found || !found->live_at(t)) {
-      bump(counters.executed);
-      log(LogLevel::info, "cache_miss", c, 0, "InFlight::run: no stored result, running without a reservation");
-      return Step(Kind::execute);
-    }
-  } else {
-    Reservation r;
-    try {
-      r = store->reserve(c.id, c.fingerprint, t, t + options.lease, t + c.ttl);
-    } catch (const StoreError& e) {
-      return on_store_failure(c, e);
-    }
-    if (r.kind != Reservation::Kind::existing) {
-      const bool takeover = r.kind == Reservation::Kind::taken_over;
-      bump(takeover ? counters.taken_over : counters.reserved);
-      bump(counters.executed);
-      log(takeover ? LogLevel::warning : LogLevel::debug, takeover ? "taken_over" : "reserved", c,
-          r.token, takeover ? "took over a reservation whose lease had expired" : "");
-      inflight.hold(c.id, r.token);
-      Step s(Kind::execute);
-      s.token = r.token;
-      return s;
-    }
-    found = std::move(r.existing);
+    // The result cache: nothing stored, so run. No reservation.
+    bump(counters.executed);
+    log(LogLevel::info, "cache_miss", c, 0, "InFlight::run: no stored result, running without a reservation");
+    return Step(Kind::execute);
   }
+  return std::nullopt;  // absent or dead: reserve
+}
+
+StoreOp Coordinator::Impl::reserve_op(const Call& c, TimePoint t) const {
+  StoreOp op;
+  op.kind = StoreOp::Kind::reserve;
+  op.id = &c.id;
+  op.fingerprint = &c.fingerprint;
+  op.now = t;
+  op.lease_until = t + options.lease;
+  op.expires_at = t + c.ttl;
+  return op;
+}
+
+Coordinator::Impl::Step Coordinator::Impl::reserved(const Call& c, StoreOp& op, TimePoint t,
+                                                     TimePoint give_up) {
+  if (op.error) {
+    try {
+      std::rethrow_exception(op.error);
+    } catch (const StoreError& e) {
+      return on_store_failure(c, e);
+    }
+  }
+  Reservation& r = op.reservation;
+  if (r.kind == Reservation::Kind::existing) return on_live(c, std::move(*r.existing), t, give_up);
+  const bool takeover = r.kind == Reservation::Kind::taken_over;
+  bump(takeover ? counters.taken_over : counters.reserved);
+  bump(counters.executed);
+  log(takeover ? LogLevel::warning : LogLevel::debug, takeover ? "taken_over" : "reserved", c, r.token,
+      takeover ? "took over a reservation whose lease had expired" : "");
+  inflight.hold(c.id, r.token);
+  Step s(Kind::execute);
+  s.token = r.token;
+  return s;
+}
+
+Coordinator::Impl::Step Coordinator::Impl::on_live(const Call& c, Record&& found, TimePoint t,
+                                                    TimePoint give_up) {
   // A live record holds the key. The fingerprint is checked before anything else.
-  if (found->fingerprint != c.fingerprint) {
+  if (found.fingerprint != c.fingerprint) {
     bump(counters.key_reuse);
-    log(LogLevel::info, "key_reuse", c, found->token, "same key, different fingerprint");
-    throw KeyReuseError(found->fingerprint.hex(), c.fingerprint.hex());
+    log(LogLevel::info, "key_reuse", c, found.token, "same key, different fingerprint");
+    throw KeyReuseError(found.fingerprint.hex(), c.fingerprint.hex());
   }
-  if (found->state == State::completed) {
+  if (found.state == State::completed) {
     bump(counters.replayed);
-    log(LogLevel::debug, "replayed", c, found->token, "");
+    log(LogLevel::debug, "replayed", c, found.token, "");
     Step s(Kind::replay);
     s.replay.source = Outcome::Source::replayed;
-    s.replay.response = std::move(found->response);
-    s.replay.expires_at = found->expires_at;
-    if (!found->body_ref.empty()) s.replay.response.body = options.payload_store->get(found->body_ref);
+    s.replay.response = std::move(found.response);
+    s.replay.expires_at = found.expires_at;
+    if (!found.body_ref.empty()) s.replay.response.body = options.payload_store->get(found.body_ref);
     return s;
   }
   if (c.policy == InFlight::run) {  // someone else reserved it; the cache runs anyway
@@ -159,14 +178,23 @@ Coordinator::Impl::Step Coordinator::Impl::begin(const Call& c, TimePoint give_u
   }
   if (c.policy == InFlight::raise || t >= give_up) {
     bump(counters.in_progress_conflicts);
-    log(LogLevel::info, "in_progress", c, found->token,
+    log(LogLevel::info, "in_progress", c, found.token,
         c.policy == InFlight::raise ? "another request holds the key" : "gave up waiting");
-    throw InProgressError(found->lease_until - t);
+    throw InProgressError(found.lease_until - t);
   }
   Step s(Kind::wait);
-  s.lease_until = found->lease_until;
-  s.holder = found->token;
+  s.lease_until = found.lease_until;
+  s.holder = found.token;
   return s;
+}
+
+Coordinator::Impl::Step Coordinator::Impl::begin(const Call& c, TimePoint give_up) {
+  const TimePoint t = now();
+  if (std::optional<Step> decided = look(c, t, give_up)) return std::move(*decided);
+  StoreOp op = reserve_op(c, t);
+  StoreOp* one = &op;
+  store->apply(std::span<StoreOp* const>(&one, 1));
+  return reserved(c, op, t, give_up);
 }
 
 Coordinator::Impl::Step Coordinator::Impl::on_store_failure(const Call& c, const StoreError& e) {
@@ -181,47 +209,80 @@ Coordinator::Impl::Step Coordinator::Impl::on_store_failure(const Call& c, const
   return Step(Kind::unprotected);
 }
 
-Outcome Coordinator::Impl::finish(const Call& c, std::int64_t token, Response response) {
-  const TimePoint t = now();
-  StoredResponse stored;
-  stored.response = response;
-  bool ok = false;
-  std::optional<Record> winner;
+bool Coordinator::Impl::prepare_completion(const Call& c, std::int64_t token, const Response& response,
+                                           Completion& out) {
+  out.t = now();
+  out.stored.response = response;
   try {
     if (options.inline_body_limit != 0 && response.body.size() > options.inline_body_limit) {
-      stored.body_ref = options.payload_store->put(c.id, response.body);
-      stored.response.body.clear();
-    }
-    if (token == 0) {  // InFlight::run: store if nobody did, else take the winner's
-      winner = store->store_if_absent(c.id, c.fingerprint, stored, t, t + c.ttl);
-      ok = true;
-    } else {
-      ok = store->complete(c.id, token, stored, t + c.ttl);
+      out.stored.body_ref = options.payload_store->put(c.id, response.body);
+      out.stored.response.body.clear();
     }
   } catch (const std::exception& e) {
+    bump(counters.store_errors);
+    log(LogLevel::error, "complete_failed", c, token, fmt::format("payload store: {}", e.what()));
+    inflight.finished(c.id, token);
+    return false;
+  }
+  out.op.kind = StoreOp::Kind::complete;
+  out.op.id = &c.id;
+  out.op.token = token;
+  out.op.response = &out.stored;
+  out.op.expires_at = out.t + c.ttl;
+  return true;
+}
+
+Outcome Coordinator::Impl::completed(const Call& c, std::int64_t token, Completion& done, Response response) {
+  inflight.finished(c.id, token);
+  if (done.op.error) {
     // The action ran; its result could not be stored. The key stays reserved until the
     // lease ends (a derived key downstream keeps the retry single-charge).
     bump(counters.store_errors);
-    log(LogLevel::error, "complete_failed", c, token, e.what());
-    if (token != 0) inflight.finished(c.id, token);
+    try {
+      std::rethrow_exception(done.op.error);
+    } catch (const std::exception& e) {
+      log(LogLevel::error, "complete_failed", c, token, e.what());
+    }
     return Outcome{std::move(response), Outcome::Source::executed};
   }
-  if (token != 0) inflight.finished(c.id, token);
-  if (!ok) {
+  if (!done.op.applied) {
     bump(counters.lease_lost);
     log(LogLevel::error, "lease_lost", c, token, "complete refused: the lease was taken over");
     throw LeaseLostError(token);
   }
+  bump(counters.completed);
+  log(LogLevel::debug, "completed", c, token, "");
+  return Outcome{std::move(response), Outcome::Source::executed, done.op.expires_at};
+}
+
+Outcome Coordinator::Impl::finish(const Call& c, std::int64_t token, Response response) {
+  if (token == 0) return finish_unreserved(c, std::move(response));
+  Completion done;
+  if (!prepare_completion(c, token, response, done)) return Outcome{std::move(response), Outcome::Source::executed};
+  StoreOp* one = &done.op;
+  store->apply(std::span<StoreOp* const>(&one, 1));
+  return completed(c, token, done, std::move(response));
+}
+
+Outcome Coordinator::Impl::finish_unreserved(const Call& c, Response response) {
+  // InFlight::run: store if nobody did, else answer with the winner's.
+  const TimePoint t = now();
+  std::optional<Record> winner;
+  try {
+    winner = store->store_if_absent(c.id, c.fingerprint, StoredResponse{response, ""}, t, t + c.ttl);
+  } catch (const std::exception& e) {
+    bump(counters.store_errors);
+    log(LogLevel::error, "complete_failed", c, 0, e.what());
+    return Outcome{std::move(response), Outcome::Source::executed};
+  }
   if (winner && winner->state == State::completed && winner->fingerprint == c.fingerprint) {
-    // InFlight::run lost the race to store: answer like the winner (the charge happened twice).
+    // Lost the race to store: answer like the winner (the action ran twice).
     log(LogLevel::warning, "store_race_lost", c, 0,
         "InFlight::run: another request stored first; answering with its result");
-    Outcome out{std::move(winner->response), Outcome::Source::executed, winner->expires_at};
-    if (!winner->body_ref.empty()) out.response.body = options.payload_store->get(winner->body_ref);
-    return out;
+    return Outcome{std::move(winner->response), Outcome::Source::executed, winner->expires_at};
   }
   if (!winner) bump(counters.completed);
-  log(LogLevel::debug, "completed", c, token, "");
+  log(LogLevel::debug, "completed", c, 0, "");
   return Outcome{std::move(response), Outcome::Source::executed, t + c.ttl};
 }
 
@@ -289,6 +350,26 @@ void Coordinator::Impl::log_event(LogLevel level, std::string_view event, std::s
   e.token = token;
   e.message = message;
   options.log(e);
+}
+
+bool Coordinator::Impl::queue_write(StoreOp& op, std::function<void()> done) {
+  std::lock_guard lock(writes_mutex);
+  writes.push_back(PendingWrite{&op, std::move(done)});
+  return !std::exchange(flush_scheduled, true);
+}
+
+void Coordinator::Impl::flush_writes() {
+  std::vector<PendingWrite> batch;
+  {
+    std::lock_guard lock(writes_mutex);
+    batch.swap(writes);
+    flush_scheduled = false;
+  }
+  std::vector<StoreOp*> ops;
+  ops.reserve(batch.size());
+  for (const PendingWrite& w : batch) ops.push_back(w.op);
+  store->apply(ops);
+  for (PendingWrite& w : batch) w.done();
 }
 
 // --- Heartbeat ---------------------------------------------------------------------------

@@ -11,6 +11,9 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
+#include <mutex>
+#include <vector>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -51,12 +54,31 @@ struct Coordinator::Impl {
 
   Call prepare(const Request& request) const;
 
-  // The decision for one round. Throws KeyReuseError, InProgressError (raise, or wait once
-  // `give_up` has passed) and, under fail_closed, StoreError.
+  // The decision for one round, in two phases so the Asio front end can batch the write:
+  //   look()     reads the record; returns the step if the record decides it (replay,
+  //              wait, unprotected, InFlight::run's execute), or nullopt: reserve;
+  //   reserve_op() is the reservation write, which the caller applies to the store;
+  //   reserved() says what the applied reservation means.
+  // They throw KeyReuseError, InProgressError (raise, or wait once `give_up` has passed)
+  // and, under fail_closed, StoreError. begin() is all three, applying the write itself.
+  std::optional<Step> look(const Call& call, TimePoint t, TimePoint give_up);
+  StoreOp reserve_op(const Call& call, TimePoint t) const;
+  Step reserved(const Call& call, StoreOp& op, TimePoint t, TimePoint give_up);
   Step begin(const Call& call, TimePoint give_up);
 
-  // After the action returned `response`. Throws LeaseLostError.
+  // After the action returned, likewise in phases: prepare_completion() builds the write
+  // (false: it cannot be stored; answer with the response unstored), the caller applies
+  // done.op, completed() reports (throws LeaseLostError). finish() is all of it, and
+  // finish_unreserved() is InFlight::run's store-if-absent.
+  struct Completion {
+    TimePoint t;
+    StoredResponse stored;
+    StoreOp op;
+  };
+  bool prepare_completion(const Call& call, std::int64_t token, const Response& response, Completion& out);
+  Outcome completed(const Call& call, std::int64_t token, Completion& done, Response response);
   Outcome finish(const Call& call, std::int64_t token, Response response);
+  Outcome finish_unreserved(const Call& call, Response response);
   // After the action threw: release the key (store failures are logged, not thrown).
   void abandon(const Call& call, std::int64_t token) noexcept;
 
@@ -74,14 +96,29 @@ struct Coordinator::Impl {
 
   // A store failure before the action: fail_open -> Step::unprotected, fail_closed -> throw.
   Step on_store_failure(const Call& call, const StoreError& e);
+  // What a live record found by look() or reserve means for this call.
+  Step on_live(const Call& call, Record&& found, TimePoint t, TimePoint give_up);
 
   TimePoint now() const { return clock->now(); }
+
+  // Writes queued by coroutines, applied together by flush_writes() (group commit for the
+  // Asio front end: everything that became ready in one turn of the io_context shares one
+  // transaction). queue_write() returns true when the caller must schedule a flush.
+  struct PendingWrite {
+    StoreOp* op;
+    std::function<void()> done;  // resumes the writer, after the commit
+  };
+  bool queue_write(StoreOp& op, std::function<void()> done);
+  void flush_writes();
 
   std::shared_ptr<Store> store;
   Options options;
   std::shared_ptr<Clock> clock;
   mutable Counters counters;
   detail::InflightRegistry inflight;
+  std::mutex writes_mutex;
+  std::vector<PendingWrite> writes;  // guarded by writes_mutex
+  bool flush_scheduled = false;      // guarded by writes_mutex
 };
 
 // Renews a lease every Options::heartbeat while an action runs (on the clock's thread).

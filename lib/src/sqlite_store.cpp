@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "idem/errors.hpp"
@@ -63,17 +66,33 @@ void bind_response(Statement& s, int first, const StoredResponse& r, const std::
 }  // namespace
 
 struct SqliteStore::Impl {
+  SqliteOptions options;
+  std::string path;
   detail::BusyPolicy busy;
   detail::Connection db;
   // Every statement, prepared once when the store opens and reused.
   std::unique_ptr<Statement> begin, commit, rollback, reserve, replace_dead, load, complete,
       release, renew, set_recovery_point, insert_completed, purge, reap;
+  std::atomic<std::uint64_t> transactions{0}, ops{0}, checkpoints{0};
 
-  Impl(const std::string& path, const SqliteOptions& options)
-      : busy{options.busy_timeout, {}}, db(detail::open_connection(path, &busy)) {
+  // The background checkpointer (SqliteOptions::background_checkpoint).
+  std::mutex checkpoint_mutex;
+  std::condition_variable checkpoint_cv;
+  bool checkpoint_wanted = false; // guarded by checkpoint_mutex
+  bool stopping = false;          // guarded by checkpoint_mutex
+  std::thread checkpointer;       // started on the first request
+
+  Impl(const std::string& p, const SqliteOptions& o)
+      : options(o), path(p), busy{o.busy_timeout, {}}, db(detail::open_connection(p, &busy)) {
     detail::enable_wal(db.get(), busy);
     detail::exec(db.get(), options.synchronous == Synchronous::full ? "PRAGMA synchronous=FULL"
                                                                     : "PRAGMA synchronous=NORMAL");
+    if (options.background_checkpoint) {
+      // Replaces SQLite's automatic checkpoint, which would run on the committing thread.
+      sqlite3_wal_hook(db.get(), &Impl::on_wal_commit, this);
+    } else {
+      sqlite3_wal_autocheckpoint(db.get(), options.checkpoint_pages);
+    }
     auto make = [this](std::string_view sql) { return std::make_unique<Statement>(db.get(), sql); };
     begin = make(sql::kBeginImmediate);
     commit = make(sql::kCommit);
@@ -89,6 +108,58 @@ struct SqliteStore::Impl {
     insert_completed = make(sql::kInsertCompleted);
     purge = make(sql::kPurge);
     reap = make(sql::kReap);
+  }
+
+  ~Impl() {
+    {
+      std::lock_guard lock(checkpoint_mutex);
+      stopping = true;
+    }
+    checkpoint_cv.notify_all();
+    if (checkpointer.joinable()) checkpointer.join();
+  }
+
+  // Called by SQLite after each commit with the WAL's size in pages: cheap unless a
+  // checkpoint is due, then it wakes the checkpointer.
+  static int on_wal_commit(void* arg, sqlite3*, const char*, int pages) {
+    auto* self = static_cast<Impl*>(arg);
+    if (pages < self->options.checkpoint_pages) return SQLITE_OK;
+    {
+      std::lock_guard lock(self->checkpoint_mutex);
+      if (self->checkpoint_wanted) return SQLITE_OK;
+      self->checkpoint_wanted = true;
+      if (!self->checkpointer.joinable()) self->checkpointer = std::thread([self] { self->run_checkpointer(); });
+    }
+    self->checkpoint_cv.notify_one();
+    return SQLITE_OK;
+  }
+
+  void run_checkpointer() {
+    detail::BusyPolicy own_busy{options.busy_timeout, {}};
+    detail::Connection conn;
+    try {
+      conn = detail::open_connection(path, &own_busy);
+      // A connection knows the file is in WAL mode only once it has read it; until then a
+      // checkpoint is a no-op.
+      detail::enable_wal(conn.get(), own_busy);
+    } catch (const StoreError&) {
+      return;  // no checkpoints from here: the WAL grows until the store closes, which checkpoints
+    }
+    std::unique_lock lock(checkpoint_mutex);
+    for (;;) {
+      checkpoint_cv.wait(lock, [this] { return checkpoint_wanted || stopping; });
+      if (stopping) return;
+      lock.unlock();
+      // PASSIVE copies the WAL into the database without stopping anyone. RESTART then
+      // copies the little written meanwhile, holding writers back only for that, and makes
+      // the next writer start the WAL from its beginning: the WAL stays near
+      // checkpoint_pages and its pages are rewritten in place rather than appended.
+      sqlite3_wal_checkpoint_v2(conn.get(), nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr, nullptr);
+      sqlite3_wal_checkpoint_v2(conn.get(), nullptr, SQLITE_CHECKPOINT_RESTART, nullptr, nullptr);
+      checkpoints.fetch_add(1, std::memory_order_relaxed);
+      lock.lock();
+      checkpoint_wanted = false;
+    }
   }
 
   void migrate() {
@@ -143,6 +214,106 @@ struct SqliteStore::Impl {
     s.step();
     return sqlite3_changes(db.get()) == 1;
   }
+
+  // ---- writes, inside a transaction the caller holds ----
+
+  Reservation reserve_in_tx(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                            TimePoint lease_until, TimePoint expires_at) {
+    Reservation out;
+    {
+      Statement& s = *reserve;
+      ResetGuard reset(s);
+      bind_id(s, id);
+      bind_fingerprint(s, 4, fingerprint);
+      s.bind(5, ms(now));
+      s.bind(6, ms(lease_until));
+      s.bind(7, ms(now));
+      s.bind(8, ms(expires_at));
+      if (s.step()) {
+        out.token = s.int64(0);
+        s.step();  // finish the statement
+        return out;
+      }
+    }
+    std::optional<Record> existing = load_record(id);
+    if (!existing) throw StoreError("sqlite: reserve: conflicting row vanished", 0);
+    if (existing->live_at(now)) {
+      out.kind = Reservation::Kind::existing;
+      out.existing = std::move(existing);
+      return out;
+    }
+    // The record no longer counts: replace it with our reservation. The token grows past
+    // every earlier token of this key, and past the clock, so a token stays unique even
+    // after a purge deleted the row.
+    const bool takeover = existing->state == State::in_progress;
+    const bool resume = takeover && existing->fingerprint == fingerprint;
+    out.kind = takeover ? Reservation::Kind::taken_over : Reservation::Kind::reserved;
+    out.token = std::max(existing->token + 1, ms(now));
+    if (resume) out.recovery_point = existing->recovery_point;
+    replace(id, fingerprint, out.token, now, lease_until, expires_at, out.recovery_point, existing->token);
+    return out;
+  }
+
+  void replace(const KeyId& id, const Fingerprint& fingerprint, std::int64_t token, TimePoint now,
+               TimePoint lease_until, TimePoint expires_at, const std::optional<std::string>& recovery_point,
+               std::int64_t old_token) {
+    Statement& s = *replace_dead;
+    ResetGuard reset(s);
+    bind_id(s, id);
+    bind_fingerprint(s, 4, fingerprint);
+    s.bind(5, token);
+    s.bind(6, ms(lease_until));
+    s.bind(7, ms(now));
+    s.bind(8, ms(expires_at));
+    if (recovery_point) {
+      s.bind(9, *recovery_point);
+    } else {
+      s.bind_null(9);
+    }
+    s.bind(10, old_token);
+    if (!changed(s)) throw StoreError("sqlite: reserve: record changed inside its transaction", 0);
+  }
+
+  bool complete_in_tx(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                      TimePoint expires_at) {
+    const std::string headers = headers_to_json(response.response.headers);
+    Statement& s = *complete;
+    ResetGuard reset(s);
+    bind_id(s, id);
+    s.bind(4, token);
+    bind_response(s, 5, response, headers);
+    s.bind(9, ms(expires_at));
+    return changed(s);
+  }
+
+  bool release_in_tx(const KeyId& id, std::int64_t token, TimePoint now) {
+    Statement& s = *release;
+    ResetGuard reset(s);
+    bind_id(s, id);
+    s.bind(4, token);
+    s.bind(5, ms(now));
+    return changed(s);
+  }
+
+  void run_op(StoreOp& op) {
+    switch (op.kind) {
+      case StoreOp::Kind::reserve:
+        op.reservation = reserve_in_tx(*op.id, *op.fingerprint, op.now, op.lease_until, op.expires_at);
+        break;
+      case StoreOp::Kind::complete:
+        op.applied = complete_in_tx(*op.id, op.token, *op.response, op.expires_at);
+        break;
+      case StoreOp::Kind::release:
+        op.applied = release_in_tx(*op.id, op.token, op.now);
+        break;
+    }
+  }
+};
+
+// A caller's ops waiting in the group-commit queue.
+struct SqliteStore::Batch {
+  std::span<StoreOp* const> ops;
+  bool done = false;  // guarded by queue_mutex_
 };
 
 SqliteStore::SqliteStore(const std::string& path, SqliteOptions options)
@@ -152,84 +323,124 @@ SqliteStore::~SqliteStore() = default;
 
 int SqliteStore::schema_version() noexcept { return static_cast<int>(sql::kMigrations.size()); }
 
-Reservation SqliteStore::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                                 TimePoint lease_until, TimePoint expires_at) {
+void SqliteStore::apply(std::span<StoreOp* const> ops) {
+  if (ops.empty()) return;
+  Batch mine{ops};
+  std::unique_lock queue(queue_mutex_);
+  queue_.push_back(&mine);
+  while (!mine.done) {
+    if (leader_active_) {
+      queue_cv_.wait(queue);
+      continue;
+    }
+    // Lead: commit everything queued so far (ours included) in one transaction.
+    leader_active_ = true;
+    std::vector<Batch*> batches;
+    batches.swap(queue_);
+    queue.unlock();
+    run_batches(batches);
+    queue.lock();
+    for (Batch* b : batches) b->done = true;
+    leader_active_ = false;
+    queue_cv_.notify_all();
+  }
+}
+
+void SqliteStore::run_batches(const std::vector<Batch*>& batches) {
   std::lock_guard lock(mutex_);
   Impl& d = *impl_;
-  detail::Transaction tx(*d.begin, *d.commit, *d.rollback);
-  Reservation out;
-  {
-    Statement& s = *d.reserve;
-    ResetGuard reset(s);
-    bind_id(s, id);
-    bind_fingerprint(s, 4, fingerprint);
-    s.bind(5, ms(now));
-    s.bind(6, ms(lease_until));
-    s.bind(7, ms(now));
-    s.bind(8, ms(expires_at));
-    if (s.step()) {
-      out.token = s.int64(0);
-      s.step();  // finish the statement so the row is written before COMMIT
-      tx.commit();
-      return out;
+  std::size_t count = 0;
+  for (const Batch* b : batches) count += b->ops.size();
+  std::optional<detail::Transaction> tx;
+  try {
+    tx.emplace(*d.begin, *d.commit, *d.rollback);
+  } catch (const StoreError&) {
+    // The write lock could not be had: every op fails the same way.
+    for (Batch* b : batches) {
+      for (StoreOp* op : b->ops) op->error = std::current_exception();
+    }
+    return;
+  }
+  try {
+    for (Batch* b : batches) {
+      for (StoreOp* op : b->ops) d.run_op(*op);
+    }
+    tx->commit();
+    d.transactions.fetch_add(1, std::memory_order_relaxed);
+    d.ops.fetch_add(count, std::memory_order_relaxed);
+    return;
+  } catch (const StoreError&) {
+    tx.reset();  // rolls back
+  }
+  // One op broke the shared transaction (a body too big, say): give each op its own, so
+  // its neighbours still succeed.
+  for (Batch* b : batches) {
+    for (StoreOp* op : b->ops) {
+      op->reservation = {};
+      op->applied = false;
+      try {
+        detail::Transaction single(*d.begin, *d.commit, *d.rollback);
+        d.run_op(*op);
+        single.commit();
+        d.transactions.fetch_add(1, std::memory_order_relaxed);
+        d.ops.fetch_add(1, std::memory_order_relaxed);
+      } catch (const StoreError&) {
+        op->error = std::current_exception();
+      }
     }
   }
-  std::optional<Record> existing = d.load_record(id);
-  if (!existing) throw StoreError("sqlite: reserve: conflicting row vanished", 0);
-  if (existing->live_at(now)) {
-    out.kind = Reservation::Kind::existing;
-    out.existing = std::move(existing);
-    tx.commit();
-    return out;
-  }
-  // The record no longer counts: replace it with our reservation. The token grows past
-  // every earlier token of this key, and past the clock, so a token stays unique even after
-  // a purge deleted the row.
-  const bool takeover = existing->state == State::in_progress;
-  const bool resume = takeover && existing->fingerprint == fingerprint;
-  out.kind = takeover ? Reservation::Kind::taken_over : Reservation::Kind::reserved;
-  out.token = std::max(existing->token + 1, ms(now));
-  if (resume) out.recovery_point = existing->recovery_point;
-  Statement& s = *d.replace_dead;
-  ResetGuard reset(s);
-  bind_id(s, id);
-  bind_fingerprint(s, 4, fingerprint);
-  s.bind(5, out.token);
-  s.bind(6, ms(lease_until));
-  s.bind(7, ms(now));
-  s.bind(8, ms(expires_at));
-  if (out.recovery_point) {
-    s.bind(9, *out.recovery_point);
-  } else {
-    s.bind_null(9);
-  }
-  s.bind(10, existing->token);
-  if (!d.changed(s)) throw StoreError("sqlite: reserve: record changed inside its transaction", 0);
-  tx.commit();
-  return out;
+}
+
+SqliteStore::CommitStats SqliteStore::commit_stats() const {
+  return CommitStats{impl_->transactions.load(std::memory_order_relaxed),
+                     impl_->ops.load(std::memory_order_relaxed),
+                     impl_->checkpoints.load(std::memory_order_relaxed)};
+}
+
+namespace {
+
+// Runs one op through apply() and rethrows its error, for the single-op entry points.
+void apply_one(SqliteStore& store, StoreOp& op) {
+  StoreOp* one = &op;
+  store.apply(std::span<StoreOp* const>(&one, 1));
+  if (op.error) std::rethrow_exception(op.error);
+}
+
+}  // namespace
+
+Reservation SqliteStore::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                                 TimePoint lease_until, TimePoint expires_at) {
+  StoreOp op;
+  op.kind = StoreOp::Kind::reserve;
+  op.id = &id;
+  op.fingerprint = &fingerprint;
+  op.now = now;
+  op.lease_until = lease_until;
+  op.expires_at = expires_at;
+  apply_one(*this, op);
+  return std::move(op.reservation);
 }
 
 bool SqliteStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
                            TimePoint expires_at) {
-  const std::string headers = headers_to_json(response.response.headers);
-  std::lock_guard lock(mutex_);
-  Statement& s = *impl_->complete;
-  ResetGuard reset(s);
-  bind_id(s, id);
-  s.bind(4, token);
-  bind_response(s, 5, response, headers);
-  s.bind(9, ms(expires_at));
-  return impl_->changed(s);
+  StoreOp op;
+  op.kind = StoreOp::Kind::complete;
+  op.id = &id;
+  op.token = token;
+  op.response = &response;
+  op.expires_at = expires_at;
+  apply_one(*this, op);
+  return op.applied;
 }
 
 bool SqliteStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
-  std::lock_guard lock(mutex_);
-  Statement& s = *impl_->release;
-  ResetGuard reset(s);
-  bind_id(s, id);
-  s.bind(4, token);
-  s.bind(5, ms(now));
-  return impl_->changed(s);
+  StoreOp op;
+  op.kind = StoreOp::Kind::release;
+  op.id = &id;
+  op.token = token;
+  op.now = now;
+  apply_one(*this, op);
+  return op.applied;
 }
 
 bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
@@ -287,26 +498,10 @@ std::optional<Record> SqliteStore::store_if_absent(const KeyId& id, const Finger
   // A dead record: overwrite it with a completed one (the statements of reserve, then
   // complete, inside this one transaction).
   const std::int64_t token = std::max(existing ? existing->token + 1 : 0, ms(now));
-  {
-    Statement& s = *d.replace_dead;
-    ResetGuard reset(s);
-    bind_id(s, id);
-    bind_fingerprint(s, 4, fingerprint);
-    s.bind(5, token);
-    s.bind(6, ms(now));
-    s.bind(7, ms(now));
-    s.bind(8, ms(expires_at));
-    s.bind_null(9);
-    s.bind(10, existing ? existing->token : 0);
-    if (!d.changed(s)) throw StoreError("sqlite: store_if_absent: record changed", 0);
+  d.replace(id, fingerprint, token, now, now, expires_at, std::nullopt, existing ? existing->token : 0);
+  if (!d.complete_in_tx(id, token, response, expires_at)) {
+    throw StoreError("sqlite: store_if_absent: record changed", 0);
   }
-  Statement& s = *d.complete;
-  ResetGuard reset(s);
-  bind_id(s, id);
-  s.bind(4, token);
-  bind_response(s, 5, response, headers);
-  s.bind(9, ms(expires_at));
-  if (!d.changed(s)) throw StoreError("sqlite: store_if_absent: record changed", 0);
   tx.commit();
   return std::nullopt;
 }

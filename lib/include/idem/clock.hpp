@@ -66,6 +66,10 @@ class SystemClock final : public Clock {
   std::map<TimerId, TimePoint> deadline_of_;  // guarded by mutex_
   TimerId next_id_ = 1;                         // guarded by mutex_
   bool stopping_ = false;                       // guarded by mutex_
+  // Guarded by mutex_: when the timer thread will next wake on its own. call_at() only
+  // signals it for an earlier deadline, so a steady stream of later ones (heartbeats)
+  // costs no wake-up.
+  TimePoint wakes_at_ = TimePoint::max();
   std::thread thread_;                          // started under mutex_
 };
 

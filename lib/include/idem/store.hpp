@@ -7,7 +7,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -73,6 +75,28 @@ struct ReapedRecord {
   TimePoint lease_until;
 };
 
+// One write for Store::apply: the inputs of reserve(), complete() or release(), and room
+// for the result. The pointers belong to the caller and must stay valid until apply()
+// has returned.
+struct StoreOp {
+  enum class Kind { reserve, complete, release };
+  Kind kind = Kind::reserve;
+  const KeyId* id = nullptr;
+  const Fingerprint* fingerprint = nullptr;  // reserve
+  TimePoint now{};                           // reserve, release
+  TimePoint lease_until{};                   // reserve
+  TimePoint expires_at{};                    // reserve, complete
+  std::int64_t token = 0;                    // complete, release
+  const StoredResponse* response = nullptr;  // complete
+
+  // Results: for reserve, `reservation`; for complete and release, `applied` (false: the
+  // token was not current). `error` holds the StoreError if this op failed; then the
+  // other results mean nothing and nothing of this op was written.
+  Reservation reservation{};
+  bool applied = false;
+  std::exception_ptr error{};
+};
+
 // Thread-safety: implementations must be safe for concurrent use from many threads, and
 // atomic against other processes sharing the same storage.
 // Errors: every operation throws StoreError when the storage cannot be used; an
@@ -111,6 +135,13 @@ class Store {
   virtual std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
                                                 const StoredResponse& response, TimePoint now,
                                                 TimePoint expires_at) = 0;
+
+  // Applies several writes, each with its own outcome, as if one after another in `ops`
+  // order: a conflict or a stale token in one op never fails its neighbours. An engine may
+  // commit them together (SqliteStore does: group commit); no result is visible to the
+  // caller before its write is durable as configured. Never throws: failures go to
+  // StoreOp::error. The default runs reserve(), complete() and release() one by one.
+  virtual void apply(std::span<StoreOp* const> ops);
 
   // Deletes up to `limit` records that no longer count (completed past expires_at, or
   // released) in one short transaction. Returns how many it deleted.
