@@ -26,7 +26,7 @@ idem::StoredResponse response(std::string body, int status = 200) {
 
 Reservation reserve_at(idem::SqliteStore& s, idem::TimePoint t, const idem::Fingerprint& fp = kFp,
                        const idem::KeyId& id = kId) {
-  return s.reserve(id, fp, t, t + 30s, t + 24h);
+  return s.reserve(id, fp, t, t + 30s);
 }
 
 }  // namespace

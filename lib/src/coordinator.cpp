@@ -128,7 +128,6 @@ StoreOp Coordinator::Impl::reserve_op(const Call& c, TimePoint t) const {
   op.fingerprint = &c.fingerprint;
   op.now = t;
   op.lease_until = t + options.lease;
-  op.expires_at = t + c.ttl;
   return op;
 }
 

@@ -11,8 +11,10 @@ namespace idem::sql {
 // PRAGMA user_version is how many have run. Append, never edit.
 inline constexpr std::array<std::string_view, 1> kMigrations = {
     // v1: one record per (tenant, operation, key). state: 1 in_progress, 2 completed,
-    // 3 released. Times are milliseconds since the Unix epoch. The partial indexes serve
-    // purge (records that no longer count) and the reaper (abandoned reservations).
+    // 3 released. Times are milliseconds since the Unix epoch. expires_at is when the
+    // record stops counting (the lease's end while in progress, the TTL's end once
+    // completed, the release time once released); its one index serves both purge and
+    // the reaper, and costs one index page per write.
     R"sql(
 CREATE TABLE idem_keys (
   tenant         TEXT    NOT NULL,
@@ -31,8 +33,7 @@ CREATE TABLE idem_keys (
   recovery_point TEXT,
   PRIMARY KEY (tenant, operation, key)
 ) STRICT, WITHOUT ROWID;
-CREATE INDEX idem_keys_expired ON idem_keys (expires_at) WHERE state <> 1;
-CREATE INDEX idem_keys_leases ON idem_keys (lease_until) WHERE state = 1;
+CREATE INDEX idem_keys_expiry ON idem_keys (expires_at);
 )sql",
 };
 
@@ -40,22 +41,22 @@ inline constexpr std::string_view kBeginImmediate = "BEGIN IMMEDIATE";
 inline constexpr std::string_view kCommit = "COMMIT";
 inline constexpr std::string_view kRollback = "ROLLBACK";
 
-// ?1 tenant ?2 operation ?3 key ?4 fingerprint ?5 token (= now) ?6 lease_until ?7 now
-// ?8 expires_at. A row comes back only if the key was absent.
+// ?1 tenant ?2 operation ?3 key ?4 fingerprint ?5 token (= now) ?6 lease_until ?7 now.
+// A row comes back only if the key was absent.
 inline constexpr std::string_view kReserve = R"sql(
 INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at)
-VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?8)
+VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?6)
 ON CONFLICT (tenant, operation, key) DO NOTHING
 RETURNING token)sql";
 
 // Replaces a record that no longer counts with a new reservation. ?4 fingerprint
-// ?5 new token ?6 lease_until ?7 now ?8 expires_at ?9 recovery point to keep (or NULL)
-// ?10 the token read in the same transaction.
+// ?5 new token ?6 lease_until ?7 now ?8 recovery point to keep (or NULL) ?9 the token
+// read in the same transaction.
 inline constexpr std::string_view kReplaceDead = R"sql(
 UPDATE idem_keys
-SET fingerprint = ?4, state = 1, token = ?5, lease_until = ?6, created_at = ?7, expires_at = ?8,
-    status = NULL, headers = NULL, body = NULL, body_ref = NULL, recovery_point = ?9
-WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?10)sql";
+SET fingerprint = ?4, state = 1, token = ?5, lease_until = ?6, created_at = ?7, expires_at = ?6,
+    status = NULL, headers = NULL, body = NULL, body_ref = NULL, recovery_point = ?8
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?9)sql";
 
 inline constexpr std::string_view kLoad = R"sql(
 SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
@@ -75,7 +76,7 @@ WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)s
 
 // ?4 token ?5 lease_until
 inline constexpr std::string_view kRenew = R"sql(
-UPDATE idem_keys SET lease_until = ?5
+UPDATE idem_keys SET lease_until = ?5, expires_at = ?5
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
 // ?4 token ?5 recovery point
@@ -97,7 +98,7 @@ inline constexpr std::string_view kPurge = R"sql(
 DELETE FROM idem_keys
 WHERE (tenant, operation, key) IN (
   SELECT tenant, operation, key FROM idem_keys
-  WHERE state <> 1 AND expires_at <= ?1
+  WHERE expires_at <= ?1 AND state <> 1
   ORDER BY expires_at LIMIT ?2))sql";
 
 // ?1 lease ended before ?2 limit
@@ -105,8 +106,8 @@ inline constexpr std::string_view kReap = R"sql(
 DELETE FROM idem_keys
 WHERE (tenant, operation, key) IN (
   SELECT tenant, operation, key FROM idem_keys
-  WHERE state = 1 AND lease_until < ?1
-  ORDER BY lease_until LIMIT ?2)
+  WHERE expires_at < ?1 AND state = 1
+  ORDER BY expires_at LIMIT ?2)
 RETURNING tenant, operation, key, token, lease_until)sql";
 
 inline constexpr std::string_view kUserVersion = "PRAGMA user_version";

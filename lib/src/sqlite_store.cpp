@@ -218,7 +218,7 @@ struct SqliteStore::Impl {
   // ---- writes, inside a transaction the caller holds ----
 
   Reservation reserve_in_tx(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                            TimePoint lease_until, TimePoint expires_at) {
+                            TimePoint lease_until) {
     Reservation out;
     {
       Statement& s = *reserve;
@@ -228,7 +228,6 @@ struct SqliteStore::Impl {
       s.bind(5, ms(now));
       s.bind(6, ms(lease_until));
       s.bind(7, ms(now));
-      s.bind(8, ms(expires_at));
       if (s.step()) {
         out.token = s.int64(0);
         s.step();  // finish the statement
@@ -250,12 +249,12 @@ struct SqliteStore::Impl {
     out.kind = takeover ? Reservation::Kind::taken_over : Reservation::Kind::reserved;
     out.token = std::max(existing->token + 1, ms(now));
     if (resume) out.recovery_point = existing->recovery_point;
-    replace(id, fingerprint, out.token, now, lease_until, expires_at, out.recovery_point, existing->token);
+    replace(id, fingerprint, out.token, now, lease_until, out.recovery_point, existing->token);
     return out;
   }
 
   void replace(const KeyId& id, const Fingerprint& fingerprint, std::int64_t token, TimePoint now,
-               TimePoint lease_until, TimePoint expires_at, const std::optional<std::string>& recovery_point,
+               TimePoint lease_until, const std::optional<std::string>& recovery_point,
                std::int64_t old_token) {
     Statement& s = *replace_dead;
     ResetGuard reset(s);
@@ -264,13 +263,12 @@ struct SqliteStore::Impl {
     s.bind(5, token);
     s.bind(6, ms(lease_until));
     s.bind(7, ms(now));
-    s.bind(8, ms(expires_at));
     if (recovery_point) {
-      s.bind(9, *recovery_point);
+      s.bind(8, *recovery_point);
     } else {
-      s.bind_null(9);
+      s.bind_null(8);
     }
-    s.bind(10, old_token);
+    s.bind(9, old_token);
     if (!changed(s)) throw StoreError("sqlite: reserve: record changed inside its transaction", 0);
   }
 
@@ -298,7 +296,7 @@ struct SqliteStore::Impl {
   void run_op(StoreOp& op) {
     switch (op.kind) {
       case StoreOp::Kind::reserve:
-        op.reservation = reserve_in_tx(*op.id, *op.fingerprint, op.now, op.lease_until, op.expires_at);
+        op.reservation = reserve_in_tx(*op.id, *op.fingerprint, op.now, op.lease_until);
         break;
       case StoreOp::Kind::complete:
         op.applied = complete_in_tx(*op.id, op.token, *op.response, op.expires_at);
@@ -409,14 +407,13 @@ void apply_one(SqliteStore& store, StoreOp& op) {
 }  // namespace
 
 Reservation SqliteStore::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                                 TimePoint lease_until, TimePoint expires_at) {
+                                 TimePoint lease_until) {
   StoreOp op;
   op.kind = StoreOp::Kind::reserve;
   op.id = &id;
   op.fingerprint = &fingerprint;
   op.now = now;
   op.lease_until = lease_until;
-  op.expires_at = expires_at;
   apply_one(*this, op);
   return std::move(op.reservation);
 }
@@ -498,7 +495,7 @@ std::optional<Record> SqliteStore::store_if_absent(const KeyId& id, const Finger
   // A dead record: overwrite it with a completed one (the statements of reserve, then
   // complete, inside this one transaction).
   const std::int64_t token = std::max(existing ? existing->token + 1 : 0, ms(now));
-  d.replace(id, fingerprint, token, now, now, expires_at, std::nullopt, existing ? existing->token : 0);
+  d.replace(id, fingerprint, token, now, now, std::nullopt, existing ? existing->token : 0);
   if (!d.complete_in_tx(id, token, response, expires_at)) {
     throw StoreError("sqlite: store_if_absent: record changed", 0);
   }

@@ -8,7 +8,7 @@ void Store::apply(std::span<StoreOp* const> ops) {
     try {
       switch (op.kind) {
         case StoreOp::Kind::reserve:
-          op.reservation = reserve(*op.id, *op.fingerprint, op.now, op.lease_until, op.expires_at);
+          op.reservation = reserve(*op.id, *op.fingerprint, op.now, op.lease_until);
           break;
         case StoreOp::Kind::complete:
           op.applied = complete(*op.id, op.token, *op.response, op.expires_at);

@@ -14,9 +14,9 @@ void fail_if(const std::atomic<bool>& flag, int code) {
 }  // namespace
 
 Reservation FaultyStore::reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
-                                 TimePoint lease, TimePoint expires) {
+                                 TimePoint lease) {
   fail_if(fail_reserve, SQLITE_IOERR_WRITE);
-  return inner_->reserve(id, fp, now, lease, expires);
+  return inner_->reserve(id, fp, now, lease);
 }
 
 bool FaultyStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& r,

@@ -101,7 +101,6 @@ class Floor {
     reserve_->bind(5, now_ms);
     reserve_->bind(6, now_ms + 30000);
     reserve_->bind(7, now_ms);
-    reserve_->bind(8, now_ms + 86400000);
     const bool got = reserve_->step();
     const std::int64_t token = got ? reserve_->int64(0) : 0;
     reserve_->reset();

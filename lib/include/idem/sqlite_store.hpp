@@ -61,7 +61,7 @@ class SqliteStore final : public Store {
   static int schema_version() noexcept;
 
   Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                      TimePoint lease_until, TimePoint expires_at) override;
+                      TimePoint lease_until) override;
   bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
                 TimePoint expires_at) override;
   bool release(const KeyId& id, std::int64_t token, TimePoint now) override;

@@ -32,7 +32,8 @@ struct Record {
   std::int64_t token = 0;  // fencing token; grows with every reservation or takeover
   TimePoint lease_until;   // in_progress: the lease's end
   TimePoint created_at;    // when this reservation was made
-  TimePoint expires_at;    // completed: when the record stops counting (TTL)
+  TimePoint expires_at;    // when the record stops counting: the lease's end while in
+                           // progress, the TTL's end once completed, the release time
   Response response;       // completed only
   std::string body_ref;    // completed only: non-empty when the body is stored elsewhere
   std::optional<std::string> recovery_point;  // last finished step (SPEC §7)
@@ -85,7 +86,7 @@ struct StoreOp {
   const Fingerprint* fingerprint = nullptr;  // reserve
   TimePoint now{};                           // reserve, release
   TimePoint lease_until{};                   // reserve
-  TimePoint expires_at{};                    // reserve, complete
+  TimePoint expires_at{};                    // complete
   std::int64_t token = 0;                    // complete, release
   const StoredResponse* response = nullptr;  // complete
 
@@ -108,10 +109,9 @@ class Store {
   // One atomic step: if no record for `id` counts at `now` (absent, expired, released,
   // or in_progress with an expired lease), makes an in_progress record with `fingerprint`
   // and a new token larger than any earlier token of this key, leased until
-  // `lease_until`, counting until `expires_at`; otherwise returns the live record
-  // untouched.
+  // `lease_until`; otherwise returns the live record untouched.
   virtual Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                              TimePoint lease_until, TimePoint expires_at) = 0;
+                              TimePoint lease_until) = 0;
 
   // in_progress -> completed with `response`, only if `token` is still current (and the
   // record still in_progress). Returns false, changing nothing, if it is not (lease lost).

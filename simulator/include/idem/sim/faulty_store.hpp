@@ -30,8 +30,7 @@ class FaultyStore final : public Store {
     fail_load = down;
   }
 
-  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now, TimePoint lease,
-                      TimePoint expires) override;
+  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now, TimePoint lease) override;
   bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r, TimePoint expires) override;
   bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
   bool renew(const KeyId& id, std::int64_t token, TimePoint lease) override;
