@@ -185,3 +185,40 @@ TEST_CASE("asio: an unreachable store fails open (the action runs) or closed (it
     CHECK(w.idem->metrics().store_errors == 1);
   }
 }
+
+TEST_CASE("asio: group commit: one turn's fresh, replayed and duplicate keys share transactions, each correct") {
+  // 30 keys already completed, 30 fresh keys each sent twice in the same turn: 90 coroutines.
+  World w({.in_flight = InFlight::wait});
+  net::io_context warm;  // completes the 30 "done" keys first
+  std::vector<Reply> warmups(30);
+  for (int i = 0; i < 30; ++i) {
+    spawn(warm, client(w, *w.idem, request("done" + std::to_string(i)), 0ms, warmups[static_cast<std::size_t>(i)]));
+  }
+  idem::sim::run(warm, *w.clock);
+  const std::size_t charges_before = w.provider->charge_count();
+  const auto stats_before = w.store->commit_stats();
+
+  net::io_context io;
+  std::vector<Reply> replays(30), firsts(30), seconds(30);
+  for (int i = 0; i < 30; ++i) {
+    const auto u = static_cast<std::size_t>(i);
+    spawn(io, client(w, *w.idem, request("done" + std::to_string(i)), 0ms, replays[u]));
+    spawn(io, client(w, *w.idem, request("new" + std::to_string(i)), 0ms, firsts[u]));
+    spawn(io, client(w, *w.idem, request("new" + std::to_string(i)), 0ms, seconds[u]));
+  }
+  idem::sim::run(io, *w.clock);
+  for (int i = 0; i < 30; ++i) {
+    const auto u = static_cast<std::size_t>(i);
+    CHECK(replays[u].source == Outcome::Source::replayed);
+    CHECK(replays[u].text == warmups[u].text);
+    CHECK(firsts[u].source == Outcome::Source::executed);
+    CHECK(seconds[u].source == Outcome::Source::replayed);  // waited, then replayed
+    CHECK(seconds[u].text == firsts[u].text);
+  }
+  CHECK(w.provider->charge_count() - charges_before == 30);  // once per new key
+  const auto stats = w.store->commit_stats();
+  const auto transactions = stats.transactions - stats_before.transactions;
+  const auto ops = stats.ops - stats_before.ops;
+  CHECK(ops >= 60);                 // 30 reservations that won, 30 completions, and the losers' tries
+  CHECK(transactions * 10 <= ops);  // committed together, not one by one
+}

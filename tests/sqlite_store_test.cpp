@@ -29,6 +29,11 @@ Reservation reserve_at(idem::SqliteStore& s, idem::TimePoint t, const idem::Fing
   return s.reserve(id, fp, t, t + 30s);
 }
 
+long long raw_rows(const TempDir& dir) {
+  RawDb raw(dir.file("k.db"));
+  return raw.rows();
+}
+
 }  // namespace
 
 TEST_CASE("sqlite_store: reserve makes an in_progress record; a second reserve sees it") {
@@ -225,4 +230,65 @@ TEST_CASE("sqlite_store: a write lock held past busy_timeout is a StoreError (SQ
   }
   locker.exec("ROLLBACK");
   CHECK(reserve_at(s, T0).kind == Reservation::Kind::reserved);  // nothing half-written
+}
+
+TEST_CASE("sqlite_store: group commit: one transaction, each op its own outcome") {
+  TempDir dir;
+  idem::SqliteStore s(dir.file("k.db"));
+  const idem::KeyId k1{"alpha", "op", "k1"}, k2{"alpha", "op", "k2"}, k3{"alpha", "op", "k3"};
+  const Reservation held = reserve_at(s, T0, kFp, k2);   // k2: live, someone else's
+  const Reservation mine = reserve_at(s, T0, kFp, k3);   // k3: ours, to complete
+  const auto before = s.commit_stats();
+
+  idem::StoreOp fresh, dup, busy, done, stale;
+  fresh.kind = dup.kind = busy.kind = idem::StoreOp::Kind::reserve;
+  fresh.id = dup.id = &k1;
+  busy.id = &k2;
+  fresh.fingerprint = dup.fingerprint = busy.fingerprint = &kFp;
+  fresh.now = dup.now = busy.now = T0 + 1s;
+  fresh.lease_until = dup.lease_until = busy.lease_until = T0 + 31s;
+  const idem::StoredResponse body = response("ch_3");
+  done.kind = stale.kind = idem::StoreOp::Kind::complete;
+  done.id = &k3;
+  stale.id = &k2;
+  done.token = mine.token;
+  stale.token = held.token + 1;  // not current
+  done.response = stale.response = &body;
+  done.expires_at = stale.expires_at = T0 + 24h;
+  std::vector<idem::StoreOp*> ops = {&fresh, &dup, &busy, &done, &stale};
+  s.apply(ops);
+
+  CHECK(fresh.reservation.kind == Reservation::Kind::reserved);
+  CHECK(dup.reservation.kind == Reservation::Kind::existing);  // the same key earlier in the batch
+  CHECK(dup.reservation.existing->token == fresh.reservation.token);
+  CHECK(busy.reservation.kind == Reservation::Kind::existing);
+  CHECK(busy.reservation.existing->token == held.token);
+  CHECK(done.applied);
+  CHECK_FALSE(stale.applied);
+  for (const idem::StoreOp* op : ops) CHECK_FALSE(op->error);
+  const auto after = s.commit_stats();
+  CHECK(after.transactions - before.transactions == 1);
+  CHECK(after.ops - before.ops == 5);
+  CHECK(s.load(k3)->response.body == "ch_3");
+  CHECK(s.load(k2)->state == State::in_progress);
+}
+
+TEST_CASE("sqlite_store: group commit: a write lock held past busy_timeout fails every op of the batch, changing nothing") {
+  TempDir dir;
+  idem::SqliteStore s(dir.file("k.db"), idem::SqliteOptions{.busy_timeout = 20ms});
+  RawDb locker(dir.file("k.db"));
+  REQUIRE(locker.exec("BEGIN IMMEDIATE") == SQLITE_OK);
+  const idem::KeyId k1{"alpha", "op", "k1"}, k2{"alpha", "op", "k2"};
+  idem::StoreOp a, b;
+  a.id = &k1;
+  b.id = &k2;
+  a.fingerprint = b.fingerprint = &kFp;
+  a.now = b.now = T0;
+  a.lease_until = b.lease_until = T0 + 30s;
+  std::vector<idem::StoreOp*> ops = {&a, &b};
+  s.apply(ops);
+  CHECK(a.error);
+  CHECK(b.error);
+  locker.exec("ROLLBACK");
+  CHECK(raw_rows(dir) == 0);
 }

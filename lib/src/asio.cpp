@@ -87,6 +87,7 @@ net::awaitable<void> write(Coordinator::Impl& d, StoreOp& op) {
 }  // namespace
 
 net::awaitable<void> async_sleep_until(Clock& clock, TimePoint at) {
+  if (at <= clock.now()) co_return;
   AsyncWaiter waiter(co_await net::this_coro::executor);
   co_await waiter.wait_until(clock, at);
 }

@@ -9,7 +9,7 @@ void run(boost::asio::io_context& io, SimulatedClock& clock) {
     do {
       io.restart();
     } while (io.poll() > 0);
-    if (!clock.run_next()) return;
+    if (!clock.run_instant()) return;
   }
 }
 

@@ -50,6 +50,14 @@ std::optional<Record> FaultyStore::store_if_absent(const KeyId& id, const Finger
   return inner_->store_if_absent(id, fp, r, now, expires);
 }
 
+void FaultyStore::apply(std::span<StoreOp* const> ops) {
+  if (fail_reserve || fail_complete || fail_release) {
+    Store::apply(ops);  // op by op, through the switches above
+  } else {
+    inner_->apply(ops);
+  }
+}
+
 std::size_t FaultyStore::purge_expired(TimePoint now, std::size_t limit) {
   return inner_->purge_expired(now, limit);
 }

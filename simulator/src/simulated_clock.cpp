@@ -38,6 +38,17 @@ bool SimulatedClock::run_next() {
   return true;
 }
 
+bool SimulatedClock::run_instant() {
+  TimePoint instant;
+  {
+    std::lock_guard lock(mutex_);
+    if (pending_.empty()) return false;
+    instant = std::max(now_, pending_.begin()->first.first);
+  }
+  advance_to(instant);
+  return true;
+}
+
 void SimulatedClock::advance_to(TimePoint t) {
   for (;;) {
     {

@@ -41,6 +41,8 @@ class FaultyStore final : public Store {
                                         TimePoint expires) override;
   std::size_t purge_expired(TimePoint now, std::size_t limit) override;
   std::vector<ReapedRecord> reap(TimePoint before, std::size_t limit) override;
+  // With no fault switched on, the wrapped store's own apply() (its group commit).
+  void apply(std::span<StoreOp* const> ops) override;
 
  private:
   std::shared_ptr<Store> inner_;

@@ -34,6 +34,10 @@ class SimulatedClock final : public Clock {
   // Returns false, changing nothing, if no call is pending.
   bool run_next();
 
+  // Moves now() to the earliest deadline and runs every call due by then, so events at
+  // the same instant happen together. Returns false if no call is pending.
+  bool run_instant();
+
   // Moves time to `t` (no-op if t is not later), running every call due by then.
   void advance_to(TimePoint t);
   void advance(std::chrono::milliseconds d) { advance_to(now() + d); }
