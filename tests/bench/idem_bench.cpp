@@ -22,6 +22,7 @@
 #include <latch>
 #include <mutex>
 #include <random>
+#include <cmath>
 #include <thread>
 
 #include "bench.hpp"
@@ -223,7 +224,8 @@ Stats idem_async(Coordinator& idem, std::size_t n, std::size_t inflight,
 }
 
 Stats idem_threads(Coordinator& idem, std::size_t n, std::size_t threads,
-                   const std::function<std::string(std::size_t)>& key_at) {
+                   const std::function<std::string(std::size_t)>& key_at,
+                   const std::function<Response()>& action = small_response) {
   std::vector<double> lat(n);
   std::atomic<std::size_t> next{0};
   std::latch start(static_cast<std::ptrdiff_t>(threads) + 1);
@@ -234,7 +236,7 @@ Stats idem_threads(Coordinator& idem, std::size_t n, std::size_t threads,
       for (std::size_t i = next++; i < n; i = next++) {
         const Request r = request_for(key_at(i));
         const auto t1 = Clock::now();
-        idem.call(r, small_response);
+        idem.call(r, action);
         lat[i] = micros_since(t1);
       }
     });
@@ -257,6 +259,323 @@ double file_bytes(const std::string& path) {
     if (!ec) total += static_cast<double>(n);
   }
   return total;
+}
+
+
+// ---- 5. several processes on one database file ---------------------------------------------
+
+// Child: waits for one byte on `gate_fd`, makes `n` fresh calls, prints its stats as JSON.
+int run_child(const std::string& db, std::size_t n, const std::string& prefix, Synchronous sync, int gate_fd) {
+  auto idem = make_idem(db, sync);
+  char go = 0;
+  if (read(gate_fd, &go, 1) != 1) return 3;
+  const Stats s = idem_threads(*idem, n, 1, [&](std::size_t i) { return key_of(i, prefix); });
+  std::cout << s.json().dump() << std::endl;
+  return 0;
+}
+
+struct Spawned {
+  pid_t pid;
+  std::string out;
+};
+
+Spawned spawn_self(const Config& c, std::vector<std::string> args, const std::string& out, int close_fd) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (close_fd >= 0) posix_spawn_file_actions_addclose(&actions, close_fd);
+  args.insert(args.begin(), c.self);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  if (posix_spawn(&pid, c.self.c_str(), &actions, nullptr, argv.data(), environ) != 0) {
+    throw std::runtime_error("posix_spawn failed");
+  }
+  posix_spawn_file_actions_destroy(&actions);
+  return {pid, out};
+}
+
+json wait_json(const Spawned& s) {
+  int status = 0;
+  waitpid(s.pid, &status, 0);
+  std::ifstream in(s.out);
+  return json::parse(in);
+}
+
+struct MultiProcess {
+  double per_s = 0;
+  double worst_ms = 0;
+  json raw;
+};
+
+MultiProcess processes(const Config& c, std::size_t procs, std::size_t n_each, Synchronous sync) {
+  const std::string db = fresh_db(c, fmt::format("procs-{}", procs));
+  { make_idem(db, sync); }  // create the schema first
+  int gate[2];
+  if (pipe(gate) != 0) throw std::runtime_error("pipe failed");
+  std::vector<Spawned> kids;
+  for (std::size_t p = 0; p < procs; ++p) {
+    kids.push_back(spawn_self(c, {"--child", db, std::to_string(n_each), fmt::format("p{}-", p),
+                                  sync == Synchronous::full ? "full" : "normal", std::to_string(gate[0])},
+                              c.dir + fmt::format("/child-{}.json", p), gate[1]));
+  }
+  close(gate[0]);
+  const std::string go(procs, 'G');
+  if (write(gate[1], go.data(), go.size()) != static_cast<ssize_t>(go.size())) throw std::runtime_error("gate");
+  close(gate[1]);
+  MultiProcess out;
+  double longest = 0;
+  std::size_t calls = 0;
+  for (const Spawned& k : kids) {
+    const json j = wait_json(k);
+    out.raw.push_back(j);
+    calls += j.at("calls").get<std::size_t>();
+    longest = std::max(longest, j.at("seconds").get<double>());
+    out.worst_ms = std::max(out.worst_ms, j.at("max_us").get<double>() / 1000);
+  }
+  out.per_s = static_cast<double>(calls) / longest;
+  return out;
+}
+
+// ---- 6. hand-off to waiting duplicates --------------------------------------------------------
+
+double mono_us() {
+  return std::chrono::duration<double, std::micro>(Clock::now().time_since_epoch()).count();
+}
+
+// 20 coroutines wait for `key` held elsewhere; returns each one's return time (monotonic us).
+std::vector<double> wait_for(Coordinator& idem, const std::string& key, std::size_t waiters) {
+  net::io_context io(1);
+  std::vector<double> returned(waiters);
+  for (std::size_t i = 0; i < waiters; ++i) {
+    net::co_spawn(io, [&idem, &returned, key, i]() -> net::awaitable<void> {
+      Request r = request_for(key);
+      AsyncAction action = []() -> net::awaitable<Response> { co_return small_response(); };
+      co_await async_call(idem, std::move(r), std::move(action));
+      returned[i] = mono_us();
+    }, [](std::exception_ptr e) { if (e) std::rethrow_exception(e); });
+  }
+  io.run();
+  return returned;
+}
+
+// Waits (a benchmark may sleep) until `key` is reserved in `store`.
+void until_reserved(Store& store, const std::string& key) {
+  const KeyId id{kTenant, kOperation, key};
+  for (;;) {
+    auto r = store.load(id);
+    if (r && r->state == State::in_progress) return;
+    std::this_thread::sleep_for(200us);
+  }
+}
+
+Stats handoff_in_process(const Config& c, std::size_t rounds) {
+  auto store = std::make_shared<SqliteStore>(fresh_db(c, "handoff"));
+  Coordinator idem(store, {});
+  std::vector<double> lat;
+  for (std::size_t round = 0; round < rounds; ++round) {
+    const std::string key = fmt::format("handoff-{}", round);
+    double action_end = 0;
+    std::thread holder([&] {
+      idem.call(request_for(key), [&] {
+        std::this_thread::sleep_for(300ms);
+        action_end = mono_us();
+        return small_response();
+      });
+    });
+    until_reserved(*store, key);
+    const std::vector<double> returned = wait_for(idem, key, 20);
+    holder.join();
+    for (double t : returned) lat.push_back(t - action_end);
+  }
+  return summarize(std::move(lat), 0);
+}
+
+int run_holder(const std::string& db, const std::string& key) {
+  auto idem = make_idem(db, Synchronous::normal);
+  double action_end = 0;
+  idem->call(request_for(key), [&] {
+    std::this_thread::sleep_for(300ms);
+    action_end = mono_us();
+    return small_response();
+  });
+  std::cout << json{{"action_end_us", action_end}}.dump() << std::endl;
+  return 0;
+}
+
+Stats handoff_cross_process(const Config& c, std::size_t rounds) {
+  const std::string db = fresh_db(c, "handoff-x");
+  auto store = std::make_shared<SqliteStore>(db);
+  Coordinator idem(store, {});
+  std::vector<double> lat;
+  for (std::size_t round = 0; round < rounds; ++round) {
+    const std::string key = fmt::format("handoff-x-{}", round);
+    const Spawned holder = spawn_self(c, {"--hold", db, key}, c.dir + "/holder.json", -1);
+    until_reserved(*store, key);
+    const std::vector<double> returned = wait_for(idem, key, 20);
+    const double action_end = wait_json(holder).at("action_end_us").get<double>();
+    for (double t : returned) lat.push_back(t - action_end);
+  }
+  return summarize(std::move(lat), 0);
+}
+
+// ---- 7. growth and purge --------------------------------------------------------------------
+
+// Writes `count` completed records straight into the table (fast, for sizing), with keys in
+// random order like real UUIDs, expiring at `expires_ms`.
+void bulk_fill(const std::string& path, std::size_t count, std::int64_t expires_ms, const std::string& prefix) {
+  { SqliteStore schema(path); }
+  detail::BusyPolicy busy{std::chrono::seconds(10), {}};
+  detail::Connection db = detail::open_connection(path, &busy);
+  detail::exec(db.get(), "PRAGMA synchronous=OFF");
+  detail::exec(db.get(), "PRAGMA cache_size=-262144");
+  detail::Statement insert(db.get(), R"sql(
+INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at,
+                       expires_at, status, body)
+VALUES ('alpha', 'payment.charge', ?1, ?2, 2, 1, 0, 0, ?3, 200, ?4))sql");
+  std::mt19937_64 rng(42);
+  const std::string body(200, 'x');
+  for (std::size_t done = 0; done < count;) {
+    detail::exec(db.get(), "BEGIN");
+    for (std::size_t i = 0; i < 100000 && done < count; ++i, ++done) {
+      const std::string key = fmt::format("{}{:016x}{:016x}", prefix, rng(), done);
+      insert.bind(1, key);
+      insert.bind_blob(2, kFp.bytes().data(), kFp.bytes().size());
+      insert.bind(3, expires_ms);
+      insert.bind_blob(4, body.data(), body.size());
+      insert.step();
+      insert.reset();
+    }
+    detail::exec(db.get(), "COMMIT");
+  }
+  detail::exec(db.get(), "PRAGMA wal_checkpoint(TRUNCATE)");
+}
+
+struct Growth {
+  Stats reserve, replay;
+};
+
+Growth growth_at(const Config& c, std::size_t stored) {
+  const std::string path = fresh_db(c, "growth");
+  bulk_fill(path, stored, now_ms() + 86400000, "g");
+  auto idem = make_idem(path, Synchronous::normal);
+  const std::size_t n = 2000;
+  Growth g;
+  g.reserve = idem_threads(*idem, n, 1, [](std::size_t i) { return fmt::format("fresh-{:016x}", i * 0x9e3779b97f4a7c15ULL); });
+  g.replay = idem_threads(*idem, n, 1, [](std::size_t i) { return fmt::format("fresh-{:016x}", i * 0x9e3779b97f4a7c15ULL); });
+  return g;
+}
+
+struct Purge {
+  double seconds = 0;
+  std::size_t purged = 0;
+  double max_reserve_wait_ms = 0;
+  std::size_t reserves = 0;
+};
+
+Purge purge_while_serving(const Config& c, std::size_t expired) {
+  const std::string path = fresh_db(c, "purge");
+  bulk_fill(path, expired, now_ms() - 1000, "e");
+  auto idem = make_idem(path, Synchronous::normal);
+  Purge p;
+  std::atomic<bool> done{false};
+  std::thread purger([&] {
+    const auto t0 = Clock::now();
+    p.purged = idem->purge_expired(500);
+    p.seconds = micros_since(t0) / 1e6;
+    done = true;
+  });
+  std::vector<double> lat;
+  for (std::size_t i = 0; !done; ++i) {
+    const Request r = request_for(key_of(i, "live-"));
+    const auto t = Clock::now();
+    idem->call(r, small_response);
+    lat.push_back(micros_since(t));
+  }
+  purger.join();
+  p.reserves = lat.size();
+  for (double l : lat) p.max_reserve_wait_ms = std::max(p.max_reserve_wait_ms, l / 1000);
+  return p;
+}
+
+
+// ---- the README's chart, from a --json run ----------------------------------------------------
+
+struct Series {
+  std::string name, color;
+  std::vector<std::pair<double, double>> points;  // (x, y)
+};
+
+// One line chart with a logarithmic x axis and a linear y axis from 0, as SVG elements.
+std::string panel(double left, const std::string& title, const std::string& x_label, const std::string& y_label,
+                  const std::vector<Series>& series) {
+  const double w = 420, h = 260, top = 40, pad = 50;
+  double xmin = 1e300, xmax = 0, ymax = 0;
+  for (const auto& s : series) {
+    for (auto [x, y] : s.points) {
+      xmin = std::min(xmin, x);
+      xmax = std::max(xmax, x);
+      ymax = std::max(ymax, y);
+    }
+  }
+  if (xmax <= xmin) xmax = xmin * 10;
+  ymax = ymax * 1.1 + 1e-9;
+  auto px = [&](double x) { return left + pad + (std::log10(x) - std::log10(xmin)) / (std::log10(xmax) - std::log10(xmin)) * (w - pad - 10); };
+  auto py = [&](double y) { return top + h - y / ymax * h; };
+  std::string out = fmt::format(R"svg(<text x="{}" y="20" font-size="14" font-weight="bold">{}</text>)svg", left + pad, title);
+  out += fmt::format(R"svg(<line x1="{0}" y1="{1}" x2="{0}" y2="{2}" stroke="black"/><line x1="{0}" y1="{2}" x2="{3}" y2="{2}" stroke="black"/>)svg",
+                     left + pad, top, top + h, left + w);
+  for (int i = 0; i <= 4; ++i) {
+    const double y = ymax * i / 4;
+    out += fmt::format(R"svg(<text x="{}" y="{}" font-size="10" text-anchor="end">{:.0f}</text>)svg", left + pad - 4, py(y) + 3, y);
+  }
+  for (const auto& s : series) {
+    for (auto [x, y] : s.points) {
+      (void)y;
+      out += fmt::format(R"svg(<text x="{}" y="{}" font-size="10" text-anchor="middle">{:g}</text>)svg", px(x), top + h + 14, x);
+    }
+    break;
+  }
+  out += fmt::format(R"svg(<text x="{}" y="{}" font-size="11" text-anchor="middle">{}</text>)svg", left + pad + (w - pad) / 2, top + h + 32, x_label);
+  out += fmt::format(R"svg(<text x="{}" y="{}" font-size="11" transform="rotate(-90 {} {})" text-anchor="middle">{}</text>)svg",
+                     left + 12, top + h / 2, left + 12, top + h / 2, y_label);
+  int legend = 0;
+  for (const auto& s : series) {
+    std::string pts;
+    for (auto [x, y] : s.points) pts += fmt::format("{:.1f},{:.1f} ", px(x), py(y));
+    out += fmt::format(R"svg(<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>)svg", s.color, pts);
+    for (auto [x, y] : s.points) out += fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="{}"/>)svg", px(x), py(y), s.color);
+    out += fmt::format(R"svg(<text x="{}" y="{}" font-size="11" fill="{}">{}</text>)svg", left + pad + 10, top + 12 + 14 * legend++, s.color, s.name);
+  }
+  return out;
+}
+
+int chart(const std::string& results, const std::string& out_path) {
+  std::ifstream in(results);
+  const json r = json::parse(in);
+  Series reserve_p50{"fresh call p50", "#1f77b4", {}}, reserve_p99{"fresh call p99", "#aec7e8", {}},
+      replay_p50{"replay p50", "#d62728", {}}, replay_p99{"replay p99", "#ff9896", {}};
+  for (const auto& g : r.at("growth")) {
+    const double keys = g.at("keys").get<double>();
+    reserve_p50.points.emplace_back(keys, g.at("reserve").at("p50_us").get<double>());
+    reserve_p99.points.emplace_back(keys, g.at("reserve").at("p99_us").get<double>());
+    replay_p50.points.emplace_back(keys, g.at("replay").at("p50_us").get<double>());
+    replay_p99.points.emplace_back(keys, g.at("replay").at("p99_us").get<double>());
+  }
+  Series throughput{"fresh calls/s", "#2ca02c", {}};
+  for (const auto& p : r.at("inflight_sweep")) {
+    throughput.points.emplace_back(p.at("inflight").get<double>(), p.at("per_s").get<double>());
+  }
+  std::ofstream out(out_path);
+  out << R"svg(<svg xmlns="http://www.w3.org/2000/svg" width="900" height="340" font-family="sans-serif">)svg"
+      << R"svg(<rect width="100%" height="100%" fill="white"/>)svg"
+      << panel(0, "Latency against keys stored", "keys stored", "microseconds",
+               {reserve_p50, reserve_p99, replay_p50, replay_p99})
+      << panel(450, "Throughput against calls in flight", "calls in flight (one io_context)svg", "calls per second",
+               {throughput})
+      << "</svg>\n";
+  return out ? 0 : 1;
 }
 
 // ---- report -----------------------------------------------------------------------------------
@@ -335,15 +654,76 @@ int run_all(const Config& c) {
     }
   }
 
+  // Throughput against calls in flight (for the chart).
+  report.heading("normal: fresh keys, throughput against calls in flight (asio)");
+  for (const std::size_t inflight : std::vector<std::size_t>{1, 4, 16, 64, 256}) {
+    auto idem = make_idem(fresh_db(c, "sweep"), Synchronous::normal);
+    const Stats s = idem_async(*idem, n, inflight, [](std::size_t i) { return key_of(i); });
+    report.line(fmt::format("normal: {} in flight", inflight), s);
+    o["inflight_sweep"].push_back({{"inflight", inflight}, {"per_s", s.per_s}, {"p99_us", s.p99_us}});
+  }
+
+  // 5. Processes on one file, distinct keys, FULL (where starvation used to show).
+  report.heading("several processes on one database file, distinct keys");
+  for (Synchronous sync : {Synchronous::normal, Synchronous::full}) {
+    for (const std::size_t procs : std::vector<std::size_t>{2, 4}) {
+      const std::size_t each = (c.quick ? 1000u : 4000u) / (sync == Synchronous::full ? 4u : 1u);
+      const MultiProcess m = processes(c, procs, each, sync);
+      const std::string mode = sync == Synchronous::full ? "full" : "normal";
+      report.note(fmt::format("{}: {} processes: {:.0f} calls/s together, worst single call {:.1f} ms",
+                              mode, procs, m.per_s, m.worst_ms));
+      o["raw"][fmt::format("{}_processes_{}", procs, mode)] = {{"per_s", m.per_s}, {"worst_ms", m.worst_ms}, {"children", m.raw}};
+      if (procs == 2) {
+        o["two_process_worst_wait_ms"] = std::max(o.value("two_process_worst_wait_ms", 0.0), m.worst_ms);
+      }
+    }
+  }
+
+  // 6. Hand-off: 20 duplicates waiting on a 300 ms action.
+  report.heading("hand-off: 20 duplicates wait on a 300 ms action; from its end to each waiter's return");
+  {
+    const std::size_t rounds = c.quick ? 3 : 10;
+    const Stats in = handoff_in_process(c, rounds);
+    report.line("hand-off, same process (woken by the completion)", in);
+    const Stats cross = handoff_cross_process(c, rounds);
+    report.line("hand-off, holder in another process (polling)", cross);
+    o["handoff_in_process_p99_ms"] = in.p99_us / 1000;
+    o["handoff_cross_process_p99_ms"] = cross.p99_us / 1000;
+  }
+
+  // 7. Growth: reserve and replay latency against stored keys; purge under load.
+  report.heading("growth: latency against keys stored");
+  {
+    std::vector<std::size_t> sizes = {10000, 100000};
+    if (!c.quick) sizes = {10000, 1000000, 10000000};
+    double first_p99 = 0, last_p99 = 0;
+    for (std::size_t stored : sizes) {
+      const Growth g = growth_at(c, stored);
+      report.line(fmt::format("{} keys stored: fresh reserve+complete", stored), g.reserve);
+      report.line(fmt::format("{} keys stored: replay", stored), g.replay);
+      o["growth"].push_back({{"keys", stored}, {"reserve", g.reserve.json()}, {"replay", g.replay.json()}});
+      if (first_p99 == 0) first_p99 = g.reserve.p99_us;
+      last_p99 = g.reserve.p99_us;
+    }
+    o["reserve_p99_growth_ratio"] = last_p99 / first_p99;
+    const std::size_t expired = c.quick ? 100000 : 1000000;
+    const Purge p = purge_while_serving(c, expired);
+    report.note(fmt::format("purge of {} expired keys: {:.2f} s; {} calls meanwhile, longest {:.1f} ms",
+                            p.purged, p.seconds, p.reserves, p.max_reserve_wait_ms));
+    o["purge_max_reserve_wait_ms"] = p.max_reserve_wait_ms;
+    o["raw"]["purge"] = {{"expired", p.purged}, {"seconds", p.seconds}, {"calls_meanwhile", p.reserves},
+                         {"max_reserve_wait_ms", p.max_reserve_wait_ms}};
+  }
+
   // 8. Bytes on disk per stored key, with a 200-byte response.
   {
     const std::size_t keys = c.quick ? 20000 : 100000;
     const std::string path = fresh_db(c, "bytes");
     {
       auto idem = make_idem(path, Synchronous::normal);
-      const std::string body(200, 'x');
-      idem_threads(*idem, keys, 1, [](std::size_t i) { return key_of(i, "7f3c1e8a-4b2d-4e91-a5f6-"); });
-      (void)body;
+      const Response response{200, std::string(200, 'x'), {}};
+      idem_threads(*idem, keys, 1, [](std::size_t i) { return key_of(i, "7f3c1e8a-4b2d-4e91-a5f6-"); },
+                   [&] { return response; });
     }
     // Closing the last connection checkpoints the WAL into the file.
     o["bytes_per_key"] = file_bytes(path) / static_cast<double>(keys);
@@ -362,6 +742,13 @@ int main(int argc, char** argv) {
   idem::bench::Config c;
   c.self = argv[0];
   c.dir = std::filesystem::temp_directory_path() / fmt::format("idem-bench-{}", getpid());
+  if (argc == 7 && std::string(argv[1]) == "--child") {
+    return idem::bench::run_child(argv[2], std::stoul(argv[3]), argv[4],
+                                  std::string(argv[5]) == "full" ? idem::Synchronous::full : idem::Synchronous::normal,
+                                  std::stoi(argv[6]));
+  }
+  if (argc == 4 && std::string(argv[1]) == "--hold") return idem::bench::run_holder(argv[2], argv[3]);
+  if (argc == 4 && std::string(argv[1]) == "--chart") return idem::bench::chart(argv[2], argv[3]);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick") c.quick = true;
