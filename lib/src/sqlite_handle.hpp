@@ -7,6 +7,8 @@
 #include <sqlite3.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -38,6 +40,31 @@ Connection open_connection(const std::string& path, BusyPolicy* busy);
 // new file at once, so this retries on its own until `busy.timeout`. In-memory databases
 // stay in "memory" mode.
 void enable_wal(sqlite3* db, const BusyPolicy& busy);
+
+// A mutex that serves waiters in arrival order (a ticket lock). The connection's lock is
+// one: a thread that loops (purge batches, a busy leader) cannot starve the others,
+// because releasing and re-locking puts it behind everyone already waiting.
+class FairMutex {
+ public:
+  void lock() {
+    std::unique_lock guard(mutex_);
+    const std::uint64_t ticket = next_++;
+    cv_.wait(guard, [&] { return serving_ == ticket; });
+  }
+  void unlock() {
+    {
+      std::lock_guard guard(mutex_);
+      ++serving_;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::uint64_t next_ = 0;     // guarded by mutex_
+  std::uint64_t serving_ = 0;  // guarded by mutex_
+};
 
 // Runs statements that return no rows we need (PRAGMAs, DDL).
 void exec(sqlite3* db, std::string_view sql);

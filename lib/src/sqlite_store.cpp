@@ -66,6 +66,7 @@ void bind_response(Statement& s, int first, const StoredResponse& r, const std::
 }  // namespace
 
 struct SqliteStore::Impl {
+  detail::FairMutex mutex;  // serialises every use of `db` and the statements, first come first served
   SqliteOptions options;
   std::string path;
   detail::BusyPolicy busy;
@@ -345,7 +346,7 @@ void SqliteStore::apply(std::span<StoreOp* const> ops) {
 }
 
 void SqliteStore::run_batches(const std::vector<Batch*>& batches) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(impl_->mutex);
   Impl& d = *impl_;
   std::size_t count = 0;
   for (const Batch* b : batches) count += b->ops.size();
@@ -441,7 +442,7 @@ bool SqliteStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
 }
 
 bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(impl_->mutex);
   Statement& s = *impl_->renew;
   ResetGuard reset(s);
   bind_id(s, id);
@@ -451,7 +452,7 @@ bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_unt
 }
 
 bool SqliteStore::set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(impl_->mutex);
   Statement& s = *impl_->set_recovery_point;
   ResetGuard reset(s);
   bind_id(s, id);
@@ -461,7 +462,7 @@ bool SqliteStore::set_recovery_point(const KeyId& id, std::int64_t token, const 
 }
 
 std::optional<Record> SqliteStore::load(const KeyId& id) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(impl_->mutex);
   return impl_->load_record(id);
 }
 
@@ -469,7 +470,7 @@ std::optional<Record> SqliteStore::store_if_absent(const KeyId& id, const Finger
                                                    const StoredResponse& response, TimePoint now,
                                                    TimePoint expires_at) {
   const std::string headers = headers_to_json(response.response.headers);
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(impl_->mutex);
   Impl& d = *impl_;
   detail::Transaction tx(*d.begin, *d.commit, *d.rollback);
   {
@@ -504,7 +505,7 @@ std::optional<Record> SqliteStore::store_if_absent(const KeyId& id, const Finger
 }
 
 std::size_t SqliteStore::purge_expired(TimePoint now, std::size_t limit) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(impl_->mutex);
   Statement& s = *impl_->purge;
   ResetGuard reset(s);
   s.bind(1, ms(now));
@@ -514,7 +515,7 @@ std::size_t SqliteStore::purge_expired(TimePoint now, std::size_t limit) {
 }
 
 std::vector<ReapedRecord> SqliteStore::reap(TimePoint lease_ended_before, std::size_t limit) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(impl_->mutex);
   Statement& s = *impl_->reap;
   ResetGuard reset(s);
   s.bind(1, ms(lease_ended_before));

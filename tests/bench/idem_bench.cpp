@@ -482,7 +482,7 @@ Purge purge_while_serving(const Config& c, std::size_t expired) {
   std::atomic<bool> done{false};
   std::thread purger([&] {
     const auto t0 = Clock::now();
-    p.purged = idem->purge_expired(500);
+    p.purged = idem->purge_expired();  // default batches
     p.seconds = micros_since(t0) / 1e6;
     done = true;
   });

@@ -85,11 +85,11 @@ class Coordinator {
 
   // Deletes every record that no longer counts, in batches of `batch` records, each its
   // own short transaction. Returns how many were deleted. Throws StoreError.
-  std::size_t purge_expired(std::size_t batch = 500);
+  std::size_t purge_expired(std::size_t batch = 100);
 
   // Reports (log event "reaped", counter) and deletes in_progress records whose lease
   // ended more than Options::reap_after ago. Throws StoreError.
-  std::vector<ReapedRecord> reap(std::size_t batch = 500);
+  std::vector<ReapedRecord> reap(std::size_t batch = 100);
 
   // The TTL for `operation` (ttl_by_operation, else ttl).
   std::chrono::milliseconds ttl_for(std::string_view operation) const;

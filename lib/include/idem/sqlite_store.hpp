@@ -89,8 +89,7 @@ class SqliteStore final : public Store {
   struct Batch;
   void run_batches(const std::vector<Batch*>& batches);
 
-  mutable std::mutex mutex_;    // serialises every use of impl_'s connection
-  std::unique_ptr<Impl> impl_;  // guarded by mutex_
+  std::unique_ptr<Impl> impl_;  // its connection is guarded by its own first-come lock
   // Group commit: callers queue their ops; one of them (the leader) commits the queue.
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
