@@ -35,12 +35,7 @@ class HttpClient {
   HttpReply send(const std::string& method, const std::string& target,
                  const std::vector<std::pair<std::string, std::string>>& headers = {},
                  const std::string& body = "") {
-    http::request<http::string_body> req{http::string_to_verb(method), target, 11};
-    req.set(http::field::host, "127.0.0.1");
-    for (const auto& [name, value] : headers) req.set(name, value);
-    req.body() = body;
-    req.prepare_payload();
-    http::write(stream_, req);
+    write_only(method, target, headers, body);
     return receive();
   }
 

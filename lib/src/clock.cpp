@@ -2,6 +2,30 @@
 
 namespace idem {
 
+TimerQueue::TimerId TimerQueue::add(TimePoint at, std::function<void()> fn) {
+  const TimerId id = next_id_++;
+  pending_.emplace(std::make_pair(at, id), std::move(fn));
+  deadline_of_.emplace(id, at);
+  return id;
+}
+
+void TimerQueue::cancel(TimerId id) {
+  auto it = deadline_of_.find(id);
+  if (it == deadline_of_.end()) return;
+  pending_.erase(std::make_pair(it->second, id));
+  deadline_of_.erase(it);
+}
+
+TimePoint TimerQueue::earliest() const { return pending_.begin()->first.first; }
+
+std::function<void()> TimerQueue::pop() {
+  auto first = pending_.begin();
+  std::function<void()> fn = std::move(first->second);
+  deadline_of_.erase(first->first.second);
+  pending_.erase(first);
+  return fn;
+}
+
 void sleep_until(Clock& clock, TimePoint at) {
   if (at <= clock.now()) return;
   struct Gate {
@@ -34,9 +58,7 @@ TimePoint SystemClock::now() const {
 
 Clock::TimerId SystemClock::call_at(TimePoint at, std::function<void()> fn) {
   std::lock_guard lock(mutex_);
-  const TimerId id = next_id_++;
-  pending_.emplace(std::make_pair(at, id), std::move(fn));
-  deadline_of_.emplace(id, at);
+  const TimerId id = pending_.add(at, std::move(fn));
   if (!thread_.joinable()) {
     thread_ = std::thread([this] { run(); });
   } else if (at < wakes_at_) {
@@ -47,10 +69,7 @@ Clock::TimerId SystemClock::call_at(TimePoint at, std::function<void()> fn) {
 
 void SystemClock::cancel(TimerId id) {
   std::lock_guard lock(mutex_);
-  auto it = deadline_of_.find(id);
-  if (it == deadline_of_.end()) return;
-  pending_.erase(std::make_pair(it->second, id));
-  deadline_of_.erase(it);
+  pending_.cancel(id);
 }
 
 void SystemClock::run() {
@@ -61,8 +80,7 @@ void SystemClock::run() {
       cv_.wait(lock);
       continue;
     }
-    auto first = pending_.begin();
-    const TimePoint due = first->first.first;
+    const TimePoint due = pending_.earliest();
     if (now() < due) {
       // Wait on the system clock itself, so a deadline is met in wall time.
       wakes_at_ = due;
@@ -70,9 +88,7 @@ void SystemClock::run() {
       continue;
     }
     wakes_at_ = TimePoint::min();  // running calls: it will look at pending_ again anyway
-    std::function<void()> fn = std::move(first->second);
-    deadline_of_.erase(first->first.second);
-    pending_.erase(first);
+    std::function<void()> fn = pending_.pop();
     lock.unlock();
     fn();
     lock.lock();

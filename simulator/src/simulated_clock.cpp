@@ -9,18 +9,12 @@ TimePoint SimulatedClock::now() const {
 
 Clock::TimerId SimulatedClock::call_at(TimePoint at, std::function<void()> fn) {
   std::lock_guard lock(mutex_);
-  const TimerId id = next_id_++;
-  pending_.emplace(std::make_pair(at, id), std::move(fn));
-  deadline_of_.emplace(id, at);
-  return id;
+  return pending_.add(at, std::move(fn));
 }
 
 void SimulatedClock::cancel(TimerId id) {
   std::lock_guard lock(mutex_);
-  auto it = deadline_of_.find(id);
-  if (it == deadline_of_.end()) return;
-  pending_.erase(std::make_pair(it->second, id));
-  deadline_of_.erase(it);
+  pending_.cancel(id);
 }
 
 bool SimulatedClock::run_next() {
@@ -28,11 +22,8 @@ bool SimulatedClock::run_next() {
   {
     std::lock_guard lock(mutex_);
     if (pending_.empty()) return false;
-    auto first = pending_.begin();
-    if (first->first.first > now_) now_ = first->first.first;
-    fn = std::move(first->second);
-    deadline_of_.erase(first->first.second);
-    pending_.erase(first);
+    if (pending_.earliest() > now_) now_ = pending_.earliest();
+    fn = pending_.pop();
   }
   fn();
   return true;
@@ -43,7 +34,7 @@ bool SimulatedClock::run_instant() {
   {
     std::lock_guard lock(mutex_);
     if (pending_.empty()) return false;
-    instant = std::max(now_, pending_.begin()->first.first);
+    instant = std::max(now_, pending_.earliest());
   }
   advance_to(instant);
   return true;
@@ -53,7 +44,7 @@ void SimulatedClock::advance_to(TimePoint t) {
   for (;;) {
     {
       std::lock_guard lock(mutex_);
-      if (pending_.empty() || pending_.begin()->first.first > t) {
+      if (pending_.empty() || pending_.earliest() > t) {
         if (t > now_) now_ = t;
         return;
       }
@@ -62,9 +53,9 @@ void SimulatedClock::advance_to(TimePoint t) {
   }
 }
 
-std::size_t SimulatedClock::pending() const {
+bool SimulatedClock::idle() const {
   std::lock_guard lock(mutex_);
-  return pending_.size();
+  return pending_.empty();
 }
 
 }  // namespace idem::sim

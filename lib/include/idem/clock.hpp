@@ -39,6 +39,25 @@ class Clock {
   virtual void cancel(TimerId id) = 0;
 };
 
+// The pending calls of a clock, in (deadline, scheduling order) order. Not thread-safe:
+// its owner's lock guards it. Shared by SystemClock and idem::sim::SimulatedClock.
+class TimerQueue {
+ public:
+  using TimerId = Clock::TimerId;
+
+  TimerId add(TimePoint at, std::function<void()> fn);
+  void cancel(TimerId id);  // no effect if it is not pending
+  bool empty() const noexcept { return pending_.empty(); }
+  TimePoint earliest() const;  // requires !empty()
+  // Removes and returns the earliest call (requires !empty()).
+  std::function<void()> pop();
+
+ private:
+  std::map<std::pair<TimePoint, TimerId>, std::function<void()>> pending_;
+  std::map<TimerId, TimePoint> deadline_of_;
+  TimerId next_id_ = 1;
+};
+
 // Blocks the calling thread until `clock` reaches `at` (through call_at, so it works on a
 // simulated clock as long as another thread advances it).
 void sleep_until(Clock& clock, TimePoint at);
@@ -61,11 +80,8 @@ class SystemClock final : public Clock {
 
   std::mutex mutex_;
   std::condition_variable cv_;
-  // Guarded by mutex_: pending calls ordered by (deadline, id).
-  std::map<std::pair<TimePoint, TimerId>, std::function<void()>> pending_;
-  std::map<TimerId, TimePoint> deadline_of_;  // guarded by mutex_
-  TimerId next_id_ = 1;                         // guarded by mutex_
-  bool stopping_ = false;                       // guarded by mutex_
+  TimerQueue pending_;    // guarded by mutex_
+  bool stopping_ = false;  // guarded by mutex_
   // Guarded by mutex_: when the timer thread will next wake on its own. call_at() only
   // signals it for an earlier deadline, so a steady stream of later ones (heartbeats)
   // costs no wake-up.

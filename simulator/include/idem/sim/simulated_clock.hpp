@@ -42,15 +42,12 @@ class SimulatedClock final : public Clock {
   void advance_to(TimePoint t);
   void advance(std::chrono::milliseconds d) { advance_to(now() + d); }
 
-  std::size_t pending() const;
+  bool idle() const;  // no call pending
 
  private:
   mutable std::mutex mutex_;
-  TimePoint now_;  // guarded by mutex_
-  // Guarded by mutex_: pending calls by (deadline, id); ids grow, so ties keep their order.
-  std::map<std::pair<TimePoint, TimerId>, std::function<void()>> pending_;
-  std::map<TimerId, TimePoint> deadline_of_;  // guarded by mutex_
-  TimerId next_id_ = 1;                         // guarded by mutex_
+  TimePoint now_;       // guarded by mutex_
+  TimerQueue pending_;  // guarded by mutex_; ties keep their scheduling order
 };
 
 }  // namespace idem::sim
