@@ -576,7 +576,7 @@ int chart(const std::string& results, const std::string& out_path) {
       << R"svg(<rect width="100%" height="100%" fill="white"/>)svg"
       << panel(0, "Latency against keys stored", "keys stored", "microseconds",
                {reserve_p50, reserve_p99, replay_p50, replay_p99})
-      << panel(450, "Throughput against calls in flight", "calls in flight (one io_context)svg", "calls per second",
+      << panel(450, "Throughput against calls in flight", "calls in flight (one io_context)", "calls per second",
                {throughput})
       << "</svg>\n";
   return out ? 0 : 1;
