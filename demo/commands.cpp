@@ -68,11 +68,7 @@ int run_charge(const ChargeArgs& a) {
     const auto stored = nlohmann::json::parse(out.response.body);
     if (stored.contains("charge_id")) line["charge_id"] = stored["charge_id"];
   } catch (const error& e) {
-    static const std::map<errc, std::string> names = {
-        {errc::in_progress, "in_progress"},       {errc::key_reuse, "key_reuse"},
-        {errc::store_unavailable, "store_unavailable"}, {errc::lease_lost, "lease_lost"},
-        {errc::invalid_key, "invalid_key"},       {errc::invalid_argument, "invalid_argument"}};
-    line["outcome"] = names.at(e.code());
+    line["outcome"] = std::string(to_string(e.code()));
     line["status"] = http_status(e.code());
     line["error"] = e.what();
   } catch (const std::exception& e) {

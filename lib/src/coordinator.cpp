@@ -166,9 +166,8 @@ Coordinator::Impl::Step Coordinator::Impl::on_live(const Call& c, Record&& found
     log(LogLevel::debug, "replayed", c, found.token, "");
     Step s(Kind::replay);
     s.replay.source = Outcome::Source::replayed;
-    s.replay.response = std::move(found.response);
     s.replay.expires_at = found.expires_at;
-    if (!found.body_ref.empty()) s.replay.response.body = options.payload_store->get(found.body_ref);
+    s.replay.response = response_of(std::move(found));
     return s;
   }
   if (c.policy == InFlight::run) {  // someone else reserved it; the cache runs anyway
@@ -208,15 +207,26 @@ Coordinator::Impl::Step Coordinator::Impl::on_store_failure(const Call& c, const
   return Step(Kind::unprotected);
 }
 
+StoredResponse Coordinator::Impl::stored_form(const Call& c, const Response& response) const {
+  StoredResponse stored{response, ""};
+  if (options.inline_body_limit != 0 && response.body.size() > options.inline_body_limit) {
+    stored.body_ref = options.payload_store->put(c.id, response.body);
+    stored.response.body.clear();
+  }
+  return stored;
+}
+
+Response Coordinator::Impl::response_of(Record&& record) const {
+  Response r = std::move(record.response);
+  if (!record.body_ref.empty()) r.body = options.payload_store->get(record.body_ref);
+  return r;
+}
+
 bool Coordinator::Impl::prepare_completion(const Call& c, std::int64_t token, const Response& response,
                                            Completion& out) {
   out.t = now();
-  out.stored.response = response;
   try {
-    if (options.inline_body_limit != 0 && response.body.size() > options.inline_body_limit) {
-      out.stored.body_ref = options.payload_store->put(c.id, response.body);
-      out.stored.response.body.clear();
-    }
+    out.stored = stored_form(c, response);
   } catch (const std::exception& e) {
     bump(counters.store_errors);
     log(LogLevel::error, "complete_failed", c, token, fmt::format("payload store: {}", e.what()));
@@ -268,7 +278,7 @@ Outcome Coordinator::Impl::finish_unreserved(const Call& c, Response response) {
   const TimePoint t = now();
   std::optional<Record> winner;
   try {
-    winner = store->store_if_absent(c.id, c.fingerprint, StoredResponse{response, ""}, t, t + c.ttl);
+    winner = store->store_if_absent(c.id, c.fingerprint, stored_form(c, response), t, t + c.ttl);
   } catch (const std::exception& e) {
     bump(counters.store_errors);
     log(LogLevel::error, "complete_failed", c, 0, e.what());
@@ -278,7 +288,8 @@ Outcome Coordinator::Impl::finish_unreserved(const Call& c, Response response) {
     // Lost the race to store: answer like the winner (the action ran twice).
     log(LogLevel::warning, "store_race_lost", c, 0,
         "InFlight::run: another request stored first; answering with its result");
-    return Outcome{std::move(winner->response), Outcome::Source::executed, winner->expires_at};
+    const TimePoint expires_at = winner->expires_at;
+    return Outcome{response_of(std::move(*winner)), Outcome::Source::executed, expires_at};
   }
   if (!winner) bump(counters.completed);
   log(LogLevel::debug, "completed", c, 0, "");

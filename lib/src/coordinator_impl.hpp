@@ -79,6 +79,11 @@ struct Coordinator::Impl {
   Outcome completed(const Call& call, std::int64_t token, Completion& done, Response response);
   Outcome finish(const Call& call, std::int64_t token, Response response);
   Outcome finish_unreserved(const Call& call, Response response);
+
+  // A response as the store keeps it: bodies over inline_body_limit go to the payload
+  // store (throws what PayloadStore::put throws). response_of() is the way back.
+  StoredResponse stored_form(const Call& call, const Response& response) const;
+  Response response_of(Record&& record) const;
   // After the action threw: release the key (store failures are logged, not thrown).
   void abandon(const Call& call, std::int64_t token) noexcept;
 

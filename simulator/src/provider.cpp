@@ -25,6 +25,7 @@ constexpr std::string_view kFindByKey =
     "SELECT seq FROM charges WHERE idem_key = ?1 AND idem_key <> '' ORDER BY seq LIMIT 1";
 constexpr std::string_view kInsert =
     "INSERT INTO charges (order_id, amount, idem_key, at) VALUES (?1, ?2, ?3, ?4) RETURNING seq";
+constexpr std::string_view kCount = "SELECT count(*) FROM charges";
 constexpr std::string_view kAll =
     "SELECT seq, order_id, amount, idem_key, at FROM charges ORDER BY seq";
 
@@ -35,7 +36,7 @@ std::string charge_id(std::int64_t seq) { return fmt::format("ch_{}", seq); }
 struct Provider::Ledger {
   detail::BusyPolicy busy{std::chrono::seconds(30), {}};
   detail::Connection db;
-  std::unique_ptr<detail::Statement> begin, commit, rollback, find, insert, all;
+  std::unique_ptr<detail::Statement> begin, commit, rollback, find, insert, count, all;
 
   explicit Ledger(const std::string& path)
       : db(detail::open_connection(path.empty() ? ":memory:" : path, &busy)) {
@@ -51,6 +52,7 @@ struct Provider::Ledger {
     }
     find = make(kFindByKey);
     insert = make(kInsert);
+    count = make(kCount);
     all = make(kAll);
   }
 };
@@ -155,7 +157,13 @@ std::vector<Charge> Provider::charges() const {
   return out;
 }
 
-std::size_t Provider::charge_count() const { return charges().size(); }
+std::size_t Provider::charge_count() const {
+  std::lock_guard lock(mutex_);
+  detail::Statement& s = *ledger_->count;
+  detail::ResetGuard reset(s);
+  s.step();
+  return static_cast<std::size_t>(s.int64(0));
+}
 
 std::vector<std::string> Provider::charge_ids() const {
   std::vector<std::string> out;
