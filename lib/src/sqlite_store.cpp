@@ -75,6 +75,7 @@ struct SqliteStore::Impl {
   std::unique_ptr<Statement> begin, commit, rollback, reserve, replace_dead, load, complete,
       release, renew, set_recovery_point, insert_completed, purge, reap;
   std::atomic<std::uint64_t> transactions{0}, ops{0}, checkpoints{0};
+  std::atomic<int> next_checkpoint_at;  // WAL pages at which the commit hook wakes the checkpointer
 
   // The background checkpointer (SqliteOptions::background_checkpoint).
   std::mutex checkpoint_mutex;
@@ -84,7 +85,11 @@ struct SqliteStore::Impl {
   std::thread checkpointer;       // started on the first request
 
   Impl(const std::string& p, const SqliteOptions& o)
-      : options(o), path(p), busy{o.busy_timeout, {}}, db(detail::open_connection(p, &busy)) {
+      : options(o),
+        path(p),
+        busy{o.busy_timeout, {}},
+        db(detail::open_connection(p, &busy)),
+        next_checkpoint_at(std::max(o.checkpoint_pages, 1)) {
     detail::enable_wal(db.get(), busy);
     detail::exec(db.get(), options.synchronous == Synchronous::full ? "PRAGMA synchronous=FULL"
                                                                     : "PRAGMA synchronous=NORMAL");
@@ -121,10 +126,12 @@ struct SqliteStore::Impl {
   }
 
   // Called by SQLite after each commit with the WAL's size in pages: cheap unless a
-  // checkpoint is due, then it wakes the checkpointer.
+  // checkpoint is due, then it wakes the checkpointer. A WAL that did not start over after
+  // the last checkpoint (another process kept writing, or a reader held an old snapshot)
+  // asks again only once it has grown by another checkpoint_pages / 4, not at every commit.
   static int on_wal_commit(void* arg, sqlite3*, const char*, int pages) {
     auto* self = static_cast<Impl*>(arg);
-    if (pages < self->options.checkpoint_pages) return SQLITE_OK;
+    if (pages < self->next_checkpoint_at.load(std::memory_order_relaxed)) return SQLITE_OK;
     {
       std::lock_guard lock(self->checkpoint_mutex);
       if (self->checkpoint_wanted) return SQLITE_OK;
@@ -151,23 +158,64 @@ struct SqliteStore::Impl {
       checkpoint_cv.wait(lock, [this] { return checkpoint_wanted || stopping; });
       if (stopping) return;
       lock.unlock();
-      // PASSIVE copies the WAL into the database without stopping anyone. RESTART then
-      // copies the little written meanwhile, holding writers back only for that, and makes
-      // the next writer start the WAL from its beginning: the WAL stays near
-      // checkpoint_pages and its pages are rewritten in place rather than appended.
-      sqlite3_wal_checkpoint_v2(conn.get(), nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr, nullptr);
-      sqlite3_wal_checkpoint_v2(conn.get(), nullptr, SQLITE_CHECKPOINT_RESTART, nullptr, nullptr);
+      const int kept = checkpoint(conn.get(), own_busy);
+      next_checkpoint_at.store(kept == 0 ? options.checkpoint_pages : kept + std::max(options.checkpoint_pages / 4, 1),
+                               std::memory_order_relaxed);
       checkpoints.fetch_add(1, std::memory_order_relaxed);
       lock.lock();
       checkpoint_wanted = false;
     }
   }
 
+  // One checkpoint, shaped so this process's writers barely notice it:
+  //  1. PASSIVE rounds copy the WAL into the database while writers go on (a round takes
+  //     two fsyncs; the next copies what was written meanwhile), until little is left;
+  //  2. the little that is left is copied with this process's writers held back (the store's
+  //     mutex, taken in turn like any writer). With the WAL fully copied, the next commit
+  //     starts it over from its beginning: the file stays near checkpoint_pages and its
+  //     pages are rewritten in place, never appended.
+  //  3. If another process kept writing, or a reader held an old snapshot, the WAL could
+  //     not start over; once it reaches four times checkpoint_pages, a RESTART checkpoint
+  //     waits for them (through the busy handler, at most kRestartWait) so it stays bounded.
+  // Returns 0 when the WAL will start over, else its size in pages.
+  int checkpoint(sqlite3* conn, detail::BusyPolicy& conn_busy) {
+    constexpr std::chrono::milliseconds kRestartWait{100};
+
+    constexpr int kRounds = 6;
+    const int short_tail = std::max(options.checkpoint_pages / 8, 16);
+    int log = 0, copied = 0;
+    for (int round = 0, done = 0; round < kRounds; ++round) {
+      if (sqlite3_wal_checkpoint_v2(conn, nullptr, SQLITE_CHECKPOINT_PASSIVE, &log, &copied) != SQLITE_OK) {
+        return std::max(log, 1);  // another connection is checkpointing: try again later
+      }
+      // `log` is the WAL as this round found it; what it had to copy was written while the
+      // previous round ran. Once that is little, so is what the next round would find.
+      const int found = log - done;
+      done = copied;
+      if (found <= short_tail) break;
+    }
+    {
+      std::lock_guard hold(mutex);
+      sqlite3_wal_checkpoint_v2(conn, nullptr, SQLITE_CHECKPOINT_PASSIVE, &log, &copied);
+    }
+    if (log == copied) return 0;
+    if (log >= 4 * options.checkpoint_pages) {
+      conn_busy.timeout = std::min(options.busy_timeout, kRestartWait);
+      std::lock_guard hold(mutex);
+      const int rc = sqlite3_wal_checkpoint_v2(conn, nullptr, SQLITE_CHECKPOINT_RESTART, &log, &copied);
+      conn_busy.timeout = options.busy_timeout;
+      if (rc == SQLITE_OK) return 0;
+    }
+    return log;
+  }
+
   void migrate() {
     detail::Transaction tx(*begin, *commit, *rollback);
-    Statement version(db.get(), sql::kUserVersion);
-    version.step();
-    const auto current = version.int64(0);
+    const auto current = [&] {
+      Statement version(db.get(), sql::kUserVersion);
+      version.step();
+      return version.int64(0);  // finalized here: a pending statement would block DROP TABLE
+    }();
     const auto known = static_cast<std::int64_t>(sql::kMigrations.size());
     if (current > known) {
       throw StoreError(fmt::format("sqlite: database schema version {} is newer than this "
@@ -229,9 +277,8 @@ struct SqliteStore::Impl {
       s.bind(5, ms(now));
       s.bind(6, ms(lease_until));
       s.bind(7, ms(now));
-      if (s.step()) {
-        out.token = s.int64(0);
-        s.step();  // finish the statement
+      if (changed(s)) {
+        out.token = ms(now);
         return out;
       }
     }
@@ -482,8 +529,7 @@ std::optional<Record> SqliteStore::store_if_absent(const KeyId& id, const Finger
     s.bind(6, ms(now));
     s.bind(7, ms(expires_at));
     bind_response(s, 8, response, headers);
-    if (s.step()) {
-      s.step();
+    if (d.changed(s)) {
       tx.commit();
       return std::nullopt;
     }

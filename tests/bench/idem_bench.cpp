@@ -1,6 +1,6 @@
 // scripts/bench: what idem costs, measured against the bare SQLite floor in the same run.
 //
-//   idem_bench [--quick] [--json] [--dir DIR]    the scenarios of issue 5
+//   idem_bench [--quick] [--json] [--dir DIR] [--only calls,sweep,processes,handoff,growth,purge,bytes]
 //   idem_bench --child ...                       one process of a multi-process scenario
 //   idem_bench --chart RESULTS.json OUT.svg      the README's chart from a --json run
 #include <utility>  // before Asio (Boost 1.74)
@@ -22,6 +22,7 @@
 #include <latch>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <cmath>
 #include <thread>
 
@@ -44,6 +45,10 @@ using namespace std::chrono_literals;
 struct Config {
   bool quick = false;
   bool json_out = false;
+  std::vector<std::string> only;  // sections to run (--only); empty: all
+  bool wants(std::string_view section) const {
+    return only.empty() || std::find(only.begin(), only.end(), section) != only.end();
+  }
   std::string dir;
   std::string self;  // this program, for child processes
 };
@@ -74,7 +79,11 @@ std::string fresh_db(const Config& c, const std::string& name) {
 
 class Floor {
  public:
-  Floor(const std::string& path, Synchronous sync) : db_(detail::open_connection(path, &busy_)) {
+  // `checkpoints` false: never checkpoint (the WAL grows without bound), to show what
+  // checkpoints cost the floor; not a configuration anyone should run.
+  Floor(const std::string& path, Synchronous sync, bool checkpoints = true)
+      : db_(detail::open_connection(path, &busy_)) {
+    if (!checkpoints) sqlite3_wal_autocheckpoint(db_.get(), 0);
     detail::enable_wal(db_.get(), busy_);
     detail::exec(db_.get(), sync == Synchronous::full ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
     // Default checkpointing (wal_autocheckpoint=1000), as any naive user would have.
@@ -102,8 +111,8 @@ class Floor {
     reserve_->bind(5, now_ms);
     reserve_->bind(6, now_ms + 30000);
     reserve_->bind(7, now_ms);
-    const bool got = reserve_->step();
-    const std::int64_t token = got ? reserve_->int64(0) : 0;
+    reserve_->step();
+    const std::int64_t token = sqlite3_changes(db_.get()) == 1 ? now_ms : 0;
     reserve_->reset();
     step(*commit_);
     complete_->bind(1, kTenant);
@@ -148,8 +157,8 @@ std::int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-Stats floor_fresh(const Config& c, Synchronous sync, std::size_t n) {
-  Floor f(fresh_db(c, "floor"), sync);
+Stats floor_fresh(const Config& c, Synchronous sync, std::size_t n, bool checkpoints = true) {
+  Floor f(fresh_db(c, "floor"), sync, checkpoints);
   const std::string body = small_response().body;
   std::vector<double> lat;
   lat.reserve(n);
@@ -613,11 +622,14 @@ int run_all(const Config& c) {
   o["quick"] = c.quick;
 
   for (Synchronous sync : {Synchronous::normal, Synchronous::full}) {
+    if (!c.wants("calls")) break;
     const std::string mode = sync == Synchronous::normal ? "normal" : "full";
     const std::size_t calls = sync == Synchronous::full ? n / 4 : n;
     report.heading(fmt::format("synchronous={}: fresh keys, no-op action", mode));
     const Stats floor = floor_fresh(c, sync, calls);
     report.line(fmt::format("{}: naive floor (INSERT txn + UPDATE txn)", mode), floor);
+    const Stats uncheckpointed = floor_fresh(c, sync, calls, false);
+    report.line(fmt::format("{}: the same, checkpoints never run", mode), uncheckpointed, &floor);
     const Stats blocking = idem_fresh_blocking(c, sync, calls);
     report.line(fmt::format("{}: idem, one caller, blocking", mode), blocking, &floor);
     {
@@ -660,8 +672,9 @@ int run_all(const Config& c) {
   }
 
   // Throughput against calls in flight (for the chart).
-  report.heading("normal: fresh keys, throughput against calls in flight (asio)");
+  if (c.wants("sweep")) report.heading("normal: fresh keys, throughput against calls in flight (asio)");
   for (const std::size_t inflight : std::vector<std::size_t>{1, 4, 16, 64, 256}) {
+    if (!c.wants("sweep")) break;
     auto idem = make_idem(fresh_db(c, "sweep"), Synchronous::normal);
     const Stats s = idem_async(*idem, n, inflight, [](std::size_t i) { return key_of(i); });
     report.line(fmt::format("normal: {} in flight", inflight), s);
@@ -669,8 +682,9 @@ int run_all(const Config& c) {
   }
 
   // 5. Processes on one file, distinct keys, FULL (where starvation used to show).
-  report.heading("several processes on one database file, distinct keys");
+  if (c.wants("processes")) report.heading("several processes on one database file, distinct keys");
   for (Synchronous sync : {Synchronous::normal, Synchronous::full}) {
+    if (!c.wants("processes")) break;
     for (const std::size_t procs : std::vector<std::size_t>{2, 4}) {
       const std::size_t each = (c.quick ? 1000u : 4000u) / (sync == Synchronous::full ? 4u : 1u);
       const MultiProcess m = processes(c, procs, each, sync);
@@ -685,8 +699,8 @@ int run_all(const Config& c) {
   }
 
   // 6. Hand-off: 20 duplicates waiting on a 300 ms action.
-  report.heading("hand-off: 20 duplicates wait on a 300 ms action; from its end to each waiter's return");
-  {
+  if (c.wants("handoff")) {
+    report.heading("hand-off: 20 duplicates wait on a 300 ms action; from its end to each waiter's return");
     const std::size_t rounds = c.quick ? 3 : 10;
     const Stats in = handoff_in_process(c, rounds);
     report.line("hand-off, same process (woken by the completion)", in);
@@ -697,8 +711,8 @@ int run_all(const Config& c) {
   }
 
   // 7. Growth: reserve and replay latency against stored keys; purge under load.
-  report.heading("growth: latency against keys stored");
-  {
+  if (c.wants("growth")) {
+    report.heading("growth: latency against keys stored");
     std::vector<std::size_t> sizes = {10000, 100000};
     if (!c.quick) sizes = {10000, 1000000, 10000000};
     double first_p99 = 0, last_p99 = 0;
@@ -711,6 +725,8 @@ int run_all(const Config& c) {
       last_p99 = g.reserve.p99_us;
     }
     o["reserve_p99_growth_ratio"] = last_p99 / first_p99;
+  }
+  if (c.wants("purge")) {
     const std::size_t expired = c.quick ? 100000 : 1000000;
     const Purge p = purge_while_serving(c, expired);
     report.note(fmt::format("purge of {} expired keys: {:.2f} s; {} calls meanwhile, longest {:.1f} ms",
@@ -721,7 +737,7 @@ int run_all(const Config& c) {
   }
 
   // 8. Bytes on disk per stored key, with a 200-byte response.
-  {
+  if (c.wants("bytes")) {
     const std::size_t keys = c.quick ? 20000 : 100000;
     const std::string path = fresh_db(c, "bytes");
     {
@@ -759,8 +775,13 @@ int main(int argc, char** argv) {
     if (a == "--quick") c.quick = true;
     else if (a == "--json") c.json_out = true;
     else if (a == "--dir" && i + 1 < argc) c.dir = argv[++i];
+    else if (a == "--only" && i + 1 < argc) {
+      std::stringstream list(argv[++i]);
+      for (std::string name; std::getline(list, name, ',');) c.only.push_back(name);
+    }
     else {
-      std::cerr << "usage: idem_bench [--quick] [--json] [--dir DIR]\n";
+      std::cerr << "usage: idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...]\n"
+                   "sections: calls sweep processes handoff growth purge bytes\n";
       return 2;
     }
   }
