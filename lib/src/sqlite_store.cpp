@@ -176,10 +176,12 @@ struct SqliteStore::Impl {
   //     pages are rewritten in place, never appended.
   //  3. If another process kept writing, or a reader held an old snapshot, the WAL could
   //     not start over; once it reaches four times checkpoint_pages, a RESTART checkpoint
-  //     waits for them (through the busy handler, at most kRestartWait) so it stays bounded.
+  //     is tried, which takes the write lock from every process, copies the rest and lets
+  //     the WAL start over. It is tried without waiting (a busy write lock or reader makes
+  //     it give up until the WAL has grown by another quarter): waiting would hold this
+  //     process's writers for as long.
   // Returns 0 when the WAL will start over, else its size in pages.
   int checkpoint(sqlite3* conn, detail::BusyPolicy& conn_busy) {
-    constexpr std::chrono::milliseconds kRestartWait{100};
 
     constexpr int kRounds = 6;
     const int short_tail = std::max(options.checkpoint_pages / 8, 16);
@@ -200,7 +202,7 @@ struct SqliteStore::Impl {
     }
     if (log == copied) return 0;
     if (log >= 4 * options.checkpoint_pages) {
-      conn_busy.timeout = std::min(options.busy_timeout, kRestartWait);
+      conn_busy.timeout = std::chrono::milliseconds(0);
       std::lock_guard hold(mutex);
       const int rc = sqlite3_wal_checkpoint_v2(conn, nullptr, SQLITE_CHECKPOINT_RESTART, &log, &copied);
       conn_busy.timeout = options.busy_timeout;
