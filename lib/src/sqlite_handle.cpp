@@ -134,6 +134,13 @@ std::string Statement::text(int column) const {
                       : std::string();
 }
 
+std::string_view Statement::blob_view(int column) const {
+  const void* p = sqlite3_column_blob(stmt_.get(), column);
+  const int n = sqlite3_column_bytes(stmt_.get(), column);
+  return p != nullptr ? std::string_view(static_cast<const char*>(p), static_cast<std::size_t>(n))
+                      : std::string_view();
+}
+
 std::string Statement::blob(int column) const {
   const void* p = sqlite3_column_blob(stmt_.get(), column);
   const int n = sqlite3_column_bytes(stmt_.get(), column);

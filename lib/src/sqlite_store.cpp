@@ -236,7 +236,7 @@ struct SqliteStore::Impl {
   Record read_record() const {
     const Statement& s = *load;
     Record r;
-    const std::string fp = s.blob(0);
+    const std::string_view fp = s.blob_view(0);
     Fingerprint::Bytes bytes{};
     std::copy_n(fp.begin(), std::min(fp.size(), bytes.size()), bytes.begin());
     r.fingerprint = Fingerprint(bytes);

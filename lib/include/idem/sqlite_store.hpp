@@ -22,16 +22,19 @@ enum class Synchronous { normal, full };
 
 struct SqliteOptions {
   // How long a statement waits for another connection's write lock before the store
-  // reports StoreError (SQLITE_BUSY). Default: 5 s.
+  // reports StoreError (SQLITE_BUSY). The wait polls every 50 µs to 1 ms (every 50 µs once
+  // it has lasted 10 ms), so one busy process cannot starve another for long. Default: 5 s.
   std::chrono::milliseconds busy_timeout{5000};
   // Default: Synchronous::normal.
   Synchronous synchronous = Synchronous::normal;
   // Take WAL checkpoints off the request path: commits never checkpoint; once the WAL
-  // holds checkpoint_pages pages a background thread with its own connection runs a
-  // PASSIVE checkpoint (no waiting), then a RESTART one that copies what was written
-  // meanwhile (holding writers back only for that) so the WAL starts over and stays
-  // bounded. false: SQLite's automatic checkpoint on the committing thread every
-  // checkpoint_pages. Defaults: true, 1000.
+  // holds checkpoint_pages pages a background thread with its own connection copies it into
+  // the database in PASSIVE rounds (writers go on), then copies the short rest with this
+  // store's writers held back for that moment, so the next commit starts the WAL over (it
+  // stays near checkpoint_pages, rewritten in place). If other processes keep writing and it
+  // cannot start over, a RESTART checkpoint is tried, without waiting, each time it grows past
+  // four times checkpoint_pages. false: SQLite's automatic checkpoint on the committing
+  // thread every checkpoint_pages. Defaults: true, 1000.
   bool background_checkpoint = true;
   int checkpoint_pages = 1000;
 };
