@@ -141,12 +141,7 @@ std::string_view Statement::blob_view(int column) const {
                       : std::string_view();
 }
 
-std::string Statement::blob(int column) const {
-  const void* p = sqlite3_column_blob(stmt_.get(), column);
-  const int n = sqlite3_column_bytes(stmt_.get(), column);
-  return p != nullptr ? std::string(static_cast<const char*>(p), static_cast<std::size_t>(n))
-                      : std::string();
-}
+std::string Statement::blob(int column) const { return std::string(blob_view(column)); }
 
 Transaction::Transaction(Statement& begin, Statement& commit, Statement& rollback)
     : commit_(commit), rollback_(rollback) {

@@ -182,7 +182,6 @@ struct SqliteStore::Impl {
   //     process's writers for as long.
   // Returns 0 when the WAL will start over, else its size in pages.
   int checkpoint(sqlite3* conn, detail::BusyPolicy& conn_busy) {
-
     constexpr int kRounds = 6;
     const int short_tail = std::max(options.checkpoint_pages / 8, 16);
     int log = 0, copied = 0;
