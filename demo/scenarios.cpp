@@ -14,7 +14,7 @@
 #include "idem/http.hpp"
 #include "idem/sim/driver.hpp"
 #include "idem/sim/faulty_store.hpp"
-#include "idem/sim/provider.hpp"
+#include "idem/sim/async_provider.hpp"
 #include "idem/sqlite_store.hpp"
 
 namespace idem::demo {
@@ -94,7 +94,7 @@ net::awaitable<void> client(Scenario& s, std::string label, long long amount,
   // temporaries twice.
   Request request = charge_request(amount);
   AsyncAction action = [&s, amount]() -> net::awaitable<Response> {
-    const sim::ChargeResult r = co_await s.provider->async_charge("A-10023", amount, "");
+    const sim::ChargeResult r = co_await sim::async_charge(*s.provider, "A-10023", amount, "");
     co_return Response{200, nlohmann::json{{"charge_id", r.charge_id}}.dump(), {}};
   };
   try {

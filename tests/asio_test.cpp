@@ -1,6 +1,7 @@
 // The Asio front end on simulated time: the in-flight table of SPEC §4 from coroutines on one
 // io_context, with exact simulated timings. Each test counts the provider's charges.
 #include "idem/asio.hpp"
+#include "idem/sim/async_provider.hpp"
 
 #include <doctest/doctest.h>
 
@@ -36,7 +37,7 @@ net::awaitable<void> client(World& w, idem::Coordinator& idem, idem::Request req
   co_await idem::async_sleep_until(*w.clock, idem::sim::kSimulationStart + at);
   if (!action) {
     action = [&w]() -> net::awaitable<Response> {
-      const idem::sim::ChargeResult r = co_await w.provider->async_charge("A-10023", 4990, "");
+      const idem::sim::ChargeResult r = co_await idem::sim::async_charge(*w.provider, "A-10023", 4990, "");
       co_return Response{200, r.charge_id, {}};
     };
   }

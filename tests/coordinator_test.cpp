@@ -325,11 +325,11 @@ TEST_CASE("coordinator: a locked database (past busy_timeout) fails open or clos
 
 TEST_CASE("coordinator: an unwritable store fails open or closed as configured") {
   World open_world = blocking_world();
-  open_world.faulty->fail_reserve = true;
+  open_world.faulty->fail(idem::sim::Operation::reserve);
   CHECK(open_world.idem->call(request("k1"), open_world.charge_action()).source == Outcome::Source::unprotected);
   CHECK(open_world.charges() == 1);
   World closed = blocking_world({.on_store_failure = idem::FailureMode::fail_closed});
-  closed.faulty->fail_reserve = true;
+  closed.faulty->fail(idem::sim::Operation::reserve);
   CHECK_THROWS_AS(closed.idem->call(request("k1"), closed.charge_action()), idem::StoreError);
   CHECK(closed.charges() == 0);
 }
@@ -337,11 +337,11 @@ TEST_CASE("coordinator: an unwritable store fails open or closed as configured")
 TEST_CASE("coordinator: a store failure after the action keeps the key reserved; a derived key keeps the retry single-charge") {
   World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
   const std::string downstream = idem::derived_key({"alpha", "payment.charge", "k1"}, "charge");
-  w.faulty->fail_complete = true;
+  w.faulty->fail(idem::sim::Operation::complete);
   const Outcome first = w.idem->call(request("k1"), w.charge_action(300ms, downstream));
   CHECK(first.source == Outcome::Source::executed);  // the caller still gets its answer
   CHECK(w.idem->metrics().store_errors == 1);
-  w.faulty->fail_complete = false;
+  w.faulty->fail(idem::sim::Operation::complete, false);
   CHECK(w.store->load({"alpha", "payment.charge", "k1"})->state == idem::State::in_progress);
   w.clock->advance(30s);  // the lease ends; the retry takes over and runs the action again...
   const Outcome retry = w.idem->call(request("k1"), w.charge_action(300ms, downstream));

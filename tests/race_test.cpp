@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "idem/asio.hpp"
+#include "idem/sim/async_provider.hpp"
 #include "test_support.hpp"
 
 extern char** environ;
@@ -61,7 +62,7 @@ TEST_CASE("race: 50 coroutines on one io_context (4 threads), one key, 100 round
         // Named locals, not temporaries, in a co_await expression (g++ 12).
         idem::Request req = request("k");
         idem::AsyncAction action = [&]() -> net::awaitable<idem::Response> {
-          const auto r = co_await w.provider->async_charge("A-1", 4990, "");
+          const auto r = co_await idem::sim::async_charge(*w.provider, "A-1", 4990, "");
           co_return idem::Response{200, r.charge_id, {}};
         };
         const idem::Outcome o = co_await idem::async_call(*w.idem, std::move(req), std::move(action));

@@ -10,24 +10,16 @@
 
 #include "idem/asio.hpp"
 #include "idem/http.hpp"
-#include "idem/sim/provider.hpp"
+#include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for the payments table
+#include "idem/sim/async_provider.hpp"
 #include "idem/sqlite_store.hpp"
-#include "sqlite_handle.hpp"  // idem's RAII wrappers over sqlite3 (lib/src), for the payments table
+#include "payments_sql.hpp"
 
 namespace idem::demo {
 namespace {
 
 namespace net = boost::asio;
 using nlohmann::json;
-
-constexpr std::string_view kPaymentsSchema = R"sql(
-CREATE TABLE IF NOT EXISTS demo_payments (
-  seq        INTEGER PRIMARY KEY AUTOINCREMENT,
-  tenant     TEXT    NOT NULL,
-  body       TEXT    NOT NULL,
-  created_at INTEGER NOT NULL
-);
-)sql";
 
 bool iequals(std::string_view a, std::string_view b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
@@ -143,9 +135,10 @@ struct PaymentsApi::Impl {
   std::shared_ptr<sim::Provider> provider;
   std::unique_ptr<Coordinator> idem;
   // The payments table (the application's own data, beside idem's keys).
-  detail::BusyPolicy busy{std::chrono::seconds(5), {}};
-  detail::Connection db;
-  std::unique_ptr<detail::Statement> begin, commit, rollback, insert_payment, name_payment, find_payment;
+  sqlite::BusyPolicy busy{std::chrono::seconds(5), {}};
+  sqlite::Connection db;
+  std::unique_ptr<sqlite::TransactionStatements> tx;
+  std::unique_ptr<sqlite::Statement> insert_payment, name_payment, find_payment;
 
   explicit Impl(ApiOptions o) : options(std::move(o)) {
     if (options.api_keys.empty()) options.api_keys = {{"sk_test_alpha", "alpha"}, {"sk_test_beta", "beta"}};
@@ -159,18 +152,13 @@ struct PaymentsApi::Impl {
     idem = std::make_unique<Coordinator>(
         std::make_shared<SqliteStore>(options.db, SqliteOptions{.busy_timeout = options.store_busy_timeout}),
         std::move(idem_options));
-    db = detail::open_connection(options.db, &busy);
-    detail::enable_wal(db.get(), busy);
-    detail::exec(db.get(), kPaymentsSchema);
-    begin = std::make_unique<detail::Statement>(db.get(), "BEGIN IMMEDIATE");
-    commit = std::make_unique<detail::Statement>(db.get(), "COMMIT");
-    rollback = std::make_unique<detail::Statement>(db.get(), "ROLLBACK");
-    name_payment = std::make_unique<detail::Statement>(
-        db.get(), "UPDATE demo_payments SET body = json_set(body, '$.id', 'pay_' || seq) WHERE seq = ?1 RETURNING body");
-    insert_payment = std::make_unique<detail::Statement>(
-        db.get(), "INSERT INTO demo_payments (tenant, body, created_at) VALUES (?1, ?2, ?3) RETURNING seq");
-    find_payment = std::make_unique<detail::Statement>(
-        db.get(), "SELECT body FROM demo_payments WHERE seq = ?1 AND tenant = ?2");
+    db = sqlite::open_connection(options.db, &busy);
+    sqlite::enable_wal(db.get(), busy);
+    sqlite::exec(db.get(), sql::kPaymentsSchema);
+    tx = std::make_unique<sqlite::TransactionStatements>(db.get());
+    name_payment = std::make_unique<sqlite::Statement>(db.get(), sql::kNamePayment);
+    insert_payment = std::make_unique<sqlite::Statement>(db.get(), sql::kInsertPayment);
+    find_payment = std::make_unique<sqlite::Statement>(db.get(), sql::kFindPayment);
   }
 
   // The tenant of the request's bearer token, or nullopt.
@@ -188,7 +176,7 @@ struct PaymentsApi::Impl {
   net::awaitable<Response> charge(std::string tenant, KeyId id, json body) {
     const std::string order_id = body.at("order_id");
     const long long amount = body.at("amount");
-    const sim::ChargeResult r = co_await provider->async_charge(order_id, amount, derived_key(id, "charge"));
+    const sim::ChargeResult r = co_await sim::async_charge(*provider, order_id, amount, derived_key(id, "charge"));
     if (r.declined) {
       co_return problem(402, "payment_declined", "Payment declined",
                         fmt::format("the provider declined the charge: {}", r.reason));
@@ -196,10 +184,10 @@ struct PaymentsApi::Impl {
     const json payment = {{"charge_id", r.charge_id}, {"amount", amount}, {"currency", body.at("currency")},
                           {"order_id", order_id}, {"status", "succeeded"}};
     // One transaction: the row, then its id ("pay_<seq>") written into its body.
-    detail::Transaction tx(*begin, *commit, *rollback);
+    sqlite::Transaction payment_tx(*tx);
     std::int64_t seq = 0;
     {
-      detail::ResetGuard reset(*insert_payment);
+      sqlite::ResetGuard reset(*insert_payment);
       const std::string text = payment.dump();
       insert_payment->bind(1, tenant);
       insert_payment->bind(2, text);
@@ -208,12 +196,12 @@ struct PaymentsApi::Impl {
       seq = insert_payment->int64(0);
       insert_payment->step();
     }
-    detail::ResetGuard reset(*name_payment);
+    sqlite::ResetGuard reset(*name_payment);
     name_payment->bind(1, seq);
     name_payment->step();
     const std::string text = name_payment->text(0);
     name_payment->step();
-    tx.commit();
+    payment_tx.commit();
     co_return Response{200, text, {{"Content-Type", "application/json"}}};
   }
 
@@ -265,7 +253,7 @@ struct PaymentsApi::Impl {
     const bool well_formed = id.starts_with("pay_") && id.size() > 4 && id.size() < 24 &&
                              std::all_of(id.begin() + 4, id.end(), [](char c) { return c >= '0' && c <= '9'; });
     if (well_formed) seq = std::stoll(std::string(id.substr(4)));
-    detail::ResetGuard reset(*find_payment);
+    sqlite::ResetGuard reset(*find_payment);
     find_payment->bind(1, seq);
     find_payment->bind(2, tenant);
     if (!well_formed || !find_payment->step()) {

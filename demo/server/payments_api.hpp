@@ -1,7 +1,7 @@
 // The payments API of `idem-demo serve`: seed 000's design (POST /v1/payments with an
 // Idempotency-Key, tenants from API keys, 400/401/402/409/422/502/503/504) on idem's
 // coordinator. Independent of the HTTP server: it takes a parsed request and returns an
-// idem::Response, so any server can carry it (demo/server/session.cpp uses Boost.Beast).
+// idem::Response, so any server can carry it (demo/server/server.cpp uses Boost.Beast).
 #pragma once
 
 #include <utility>  // Boost 1.74's awaitable.hpp needs std::exchange declared first

@@ -8,24 +8,26 @@
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <mutex>
+#include <optional>
 
-#include "coordinator_impl.hpp"
+#include "core.hpp"
+#include "flow.hpp"
 
 namespace idem {
 namespace {
 
 namespace net = boost::asio;
-using Kind = Coordinator::Impl::Step::Kind;
 
 // A suspended coroutine that a completion (any thread) or a clock deadline wakes.
 //
 // The timer never expires on its own; a wake moves its expiry to the past, which both
-// completes a pending wait and makes a later wait complete at once. The waiter lives in the
-// coroutine's frame and so does the timer: only the coroutine's own thread ever destroys it,
-// while its io_context is alive. Other threads reach it through a small shared Handle that
-// the waiter disconnects when it goes, so a late wake from the clock's thread or from a
-// finishing request in another thread finds nothing to touch. Every use of the timer is
-// under the handle's mutex.
+// completes a pending wait and makes the next wait complete at once (a wake that came
+// before the wait is not lost); each wait puts the expiry back when it ends. The waiter
+// lives in the coroutine's frame and so does the timer: only the coroutine's own thread
+// ever destroys it, while its io_context is alive. Other threads reach it through a small
+// shared Handle that the waiter disconnects when it goes, so a late wake from the clock's
+// thread or from a finishing request in another thread finds nothing to touch. Every use
+// of the timer is under the handle's mutex.
 class AsyncWaiter {
  public:
   explicit AsyncWaiter(const net::any_io_executor& ex)
@@ -52,6 +54,8 @@ class AsyncWaiter {
         },
         token);
     clock.cancel(id);
+    std::lock_guard lock(handle_->mutex);
+    timer_.expires_at(net::steady_timer::time_point::max());
   }
 
  private:
@@ -69,17 +73,23 @@ class AsyncWaiter {
   std::shared_ptr<Handle> handle_;
 };
 
-// Queues `op` with the coordinator's other pending writes and suspends until the batch it
-// joined is committed. The first writer of a batch posts the flush, so every coroutine that
-// becomes ready in the same turn of the io_context joins it.
-net::awaitable<void> write(Coordinator::Impl& d, StoreOp& op) {
+// Hands `op` to the coordinator's group commit and suspends until it is committed. The
+// first writer to find no leader posts the lead to its executor, so every coroutine that
+// becomes ready in the same turn of the io_context joins its batch.
+net::awaitable<void> group_write(detail::GroupCommit& commits, StoreOp& op) {
+  using Signal = detail::GroupCommit::Signal;
   co_await net::async_initiate<decltype(net::use_awaitable), void()>(
-      [&d, &op](auto handler) {
+      [&commits, &op](auto handler) {
         auto ex = net::get_associated_executor(handler);
-        auto shared = std::make_shared<decltype(handler)>(std::move(handler));
-        if (d.queue_write(op, [shared]() mutable { net::post(std::move(*shared)); })) {
-          net::post(ex, [&d] { d.flush_writes(); });
-        }
+        auto resume = std::make_shared<decltype(handler)>(std::move(handler));
+        auto notify = [&commits, ex, resume](Signal s) {
+          if (s == Signal::committed) {
+            net::post(std::move(*resume));
+          } else {
+            net::post(ex, [&commits] { commits.lead(); });
+          }
+        };
+        if (commits.enqueue(op, notify)) net::post(ex, [&commits] { commits.lead(); });
       },
       net::use_awaitable);
 }
@@ -92,65 +102,42 @@ net::awaitable<void> async_sleep_until(Clock& clock, TimePoint at) {
   co_await waiter.wait_until(clock, at);
 }
 
+// The coroutine driver of detail::Flow: the same effects as Coordinator::call, performed
+// with co_await.
 net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, AsyncAction action) {
-  Coordinator::Impl& d = coordinator.impl();
-  const Coordinator::Impl::Call c = d.prepare(request);
-  const TimePoint give_up = d.now() + d.options.max_wait;
-  std::chrono::milliseconds poll = d.options.poll_initial;
-  bool waited = false;
+  using Kind = detail::Effect::Kind;
+  detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator);
+  const net::any_io_executor ex = co_await net::this_coro::executor;
+  std::optional<AsyncWaiter> waiter;
+  detail::Flow flow(core, request, [&] { return waiter.emplace(ex).handle(); });
   for (;;) {
-    const TimePoint t = d.now();
-    std::optional<Coordinator::Impl::Step> s = d.look(c, t, give_up);
-    if (!s) {
-      StoreOp op = d.reserve_op(c, t);
-      co_await write(d, op);
-      s.emplace(d.reserved(c, op, t, give_up));
-    }
-    switch (s->kind) {
-      case Kind::replay:
-        co_return std::move(s->replay);
-      case Kind::unprotected: {
-        // Not `Outcome{co_await action(), ...}`: g++ 12 destroys a co_await result inside a
-        // braced initializer twice.
-        Response response = co_await action();
-        co_return Outcome{std::move(response), Outcome::Source::unprotected};
-      }
-      case Kind::execute: {
-        const std::int64_t token = s->token;
-        Response response;
-        std::exception_ptr failure;
-        {
-          Heartbeat heartbeat(d, c, token);
-          try {
-            response = co_await action();
-          } catch (...) {
-            failure = std::current_exception();
-          }
-        }
-        if (failure) {
-          d.abandon(c, token);
-          std::rethrow_exception(failure);
-        }
-        if (token == 0) co_return d.finish_unreserved(c, std::move(response));
-        Coordinator::Impl::Completion done;
-        if (!d.prepare_completion(c, token, response, done)) {
-          co_return Outcome{std::move(response), Outcome::Source::executed};
-        }
-        co_await write(d, done.op);
-        co_return d.completed(c, token, done, std::move(response));
-      }
-      case Kind::wait:
+    const detail::Effect e = flow.next();
+    switch (e.kind) {
+      case Kind::read:
+        flow.loaded(detail::read_record(*core.store, flow.id()));
         break;
+      case Kind::write:
+        co_await group_write(core.commits, flow.op());
+        break;
+      case Kind::run: {
+        std::exception_ptr failure;
+        try {
+          // Not `flow.ran(co_await action())`: g++ 12 mishandles a co_await result passed
+          // straight on as an argument (it destroys it twice).
+          Response response = co_await action();
+          flow.ran(std::move(response));
+        } catch (...) {
+          failure = std::current_exception();
+        }
+        if (failure) flow.failed(std::move(failure));
+        break;
+      }
+      case Kind::sleep:
+        co_await waiter->wait_until(*core.clock, e.until);
+        break;
+      case Kind::answer:
+        co_return flow.outcome();
     }
-    if (!std::exchange(waited, true)) {
-      bump(d.counters.waited);
-      d.log(LogLevel::debug, "waiting", c, s->holder, "another request holds the key; waiting for its outcome");
-    }
-    AsyncWaiter waiter(co_await net::this_coro::executor);
-    const std::optional<TimePoint> wake = d.plan_wait(c, *s, give_up, poll, waiter.handle());
-    if (!wake) continue;
-    if (*wake > d.now()) co_await waiter.wait_until(*d.clock, *wake);
-    d.inflight.unsubscribe(c.id, waiter.handle());
   }
 }
 

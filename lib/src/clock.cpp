@@ -1,6 +1,26 @@
 #include "idem/clock.hpp"
 
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "idem/timer_queue.hpp"
+
 namespace idem {
+
+struct SystemClock::Timers {
+  std::mutex mutex;
+  std::condition_variable cv;
+  TimerQueue pending;     // guarded by mutex
+  bool stopping = false;  // guarded by mutex
+  // Guarded by mutex: when the timer thread will next wake on its own. call_at() only
+  // signals it for an earlier deadline, so a steady stream of later ones (heartbeats) costs
+  // no wake-up.
+  TimePoint wakes_at = TimePoint::max();
+  std::thread thread;  // started under mutex by the first call_at
+
+  void run();
+};
 
 TimerQueue::TimerId TimerQueue::add(TimePoint at, std::function<void()> fn) {
   const TimerId id = next_id_++;
@@ -43,13 +63,15 @@ void sleep_until(Clock& clock, TimePoint at) {
   gate->cv.wait(lock, [&] { return gate->open; });
 }
 
+SystemClock::SystemClock() : timers_(std::make_unique<Timers>()) {}
+
 SystemClock::~SystemClock() {
   {
-    std::lock_guard lock(mutex_);
-    stopping_ = true;
+    std::lock_guard lock(timers_->mutex);
+    timers_->stopping = true;
   }
-  cv_.notify_all();  // whatever it waits for
-  if (thread_.joinable()) thread_.join();
+  timers_->cv.notify_all();  // whatever it waits for
+  if (timers_->thread.joinable()) timers_->thread.join();
 }
 
 TimePoint SystemClock::now() const {
@@ -57,38 +79,39 @@ TimePoint SystemClock::now() const {
 }
 
 Clock::TimerId SystemClock::call_at(TimePoint at, std::function<void()> fn) {
-  std::lock_guard lock(mutex_);
-  const TimerId id = pending_.add(at, std::move(fn));
-  if (!thread_.joinable()) {
-    thread_ = std::thread([this] { run(); });
-  } else if (at < wakes_at_) {
-    cv_.notify_one();
+  Timers& t = *timers_;
+  std::lock_guard lock(t.mutex);
+  const TimerId id = t.pending.add(at, std::move(fn));
+  if (!t.thread.joinable()) {
+    t.thread = std::thread([&t] { t.run(); });
+  } else if (at < t.wakes_at) {
+    t.cv.notify_one();
   }
   return id;
 }
 
 void SystemClock::cancel(TimerId id) {
-  std::lock_guard lock(mutex_);
-  pending_.cancel(id);
+  std::lock_guard lock(timers_->mutex);
+  timers_->pending.cancel(id);
 }
 
-void SystemClock::run() {
-  std::unique_lock lock(mutex_);
-  while (!stopping_) {
-    if (pending_.empty()) {
-      wakes_at_ = TimePoint::max();
-      cv_.wait(lock);
+void SystemClock::Timers::run() {
+  std::unique_lock lock(mutex);
+  while (!stopping) {
+    if (pending.empty()) {
+      wakes_at = TimePoint::max();
+      cv.wait(lock);
       continue;
     }
-    const TimePoint due = pending_.earliest();
-    if (now() < due) {
+    const TimePoint due = pending.earliest();
+    if (std::chrono::system_clock::now() < due) {
       // Wait on the system clock itself, so a deadline is met in wall time.
-      wakes_at_ = due;
-      cv_.wait_until(lock, std::chrono::system_clock::time_point(due));
+      wakes_at = due;
+      cv.wait_until(lock, std::chrono::system_clock::time_point(due));
       continue;
     }
-    wakes_at_ = TimePoint::min();  // running calls: it will look at pending_ again anyway
-    std::function<void()> fn = pending_.pop();
+    wakes_at = TimePoint::min();  // running calls: it will look at pending again anyway
+    std::function<void()> fn = pending.pop();
     lock.unlock();
     fn();
     lock.lock();

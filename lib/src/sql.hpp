@@ -1,5 +1,6 @@
-// Every SQL statement idem runs, as named constants. SqliteStore prepares them all when it
-// opens, so a typo fails the first test that opens a store.
+// Every SQL statement and pragma SqliteStore runs, as named constants. The store prepares
+// the statements when it opens, so a typo fails the first test that opens a store.
+// (Transactions and the WAL switch are the wrappers': lib/sqlite/src/sql.hpp.)
 #pragma once
 
 #include <array>
@@ -63,9 +64,11 @@ CREATE INDEX idem_keys_expiry ON idem_keys (expires_at);
 )sql",
 };
 
-inline constexpr std::string_view kBeginImmediate = "BEGIN IMMEDIATE";
-inline constexpr std::string_view kCommit = "COMMIT";
-inline constexpr std::string_view kRollback = "ROLLBACK";
+inline constexpr std::string_view kSynchronousNormal = "PRAGMA synchronous=NORMAL";
+inline constexpr std::string_view kSynchronousFull = "PRAGMA synchronous=FULL";
+inline constexpr std::string_view kUserVersion = "PRAGMA user_version";
+// A format string: the version is an integer the migration driver writes.
+inline constexpr std::string_view kSetUserVersion = "PRAGMA user_version = {}";
 
 // ?1 tenant ?2 operation ?3 key ?4 fingerprint ?5 token (= now) ?6 lease_until ?7 now.
 // Changes one row only if the key was absent (sqlite3_changes() says which; a RETURNING
@@ -135,7 +138,5 @@ WHERE (tenant, operation, key) IN (
   WHERE expires_at < ?1 AND state = 1
   ORDER BY expires_at LIMIT ?2)
 RETURNING tenant, operation, key, token, lease_until)sql";
-
-inline constexpr std::string_view kUserVersion = "PRAGMA user_version";
 
 }  // namespace idem::sql

@@ -16,6 +16,13 @@ void Store::apply(std::span<StoreOp* const> ops) {
         case StoreOp::Kind::release:
           op.applied = release(*op.id, op.token, op.now);
           break;
+        case StoreOp::Kind::store_if_absent:
+          if (std::optional<Record> winner = store_if_absent(*op.id, *op.fingerprint, *op.response,
+                                                             op.now, op.expires_at)) {
+            op.reservation.kind = Reservation::Kind::existing;
+            op.reservation.existing = std::move(winner);
+          }
+          break;
       }
     } catch (...) {
       op.error = std::current_exception();

@@ -2,68 +2,115 @@
 
 #include <sqlite3.h>  // only for the result codes a real outage would carry
 
+#include <vector>
+
 #include "idem/errors.hpp"
 
 namespace idem::sim {
 namespace {
 
-void fail_if(const std::atomic<bool>& flag, int code) {
-  if (flag) throw StoreError("simulated outage: the store is unreachable (disk I/O error)", code);
+unsigned bit(Operation op) { return 1u << static_cast<unsigned>(op); }
+
+Operation operation_of(StoreOp::Kind kind) {
+  switch (kind) {
+    case StoreOp::Kind::reserve: return Operation::reserve;
+    case StoreOp::Kind::complete: return Operation::complete;
+    case StoreOp::Kind::release: return Operation::release;
+    case StoreOp::Kind::store_if_absent: return Operation::store_if_absent;
+  }
+  return Operation::reserve;
+}
+
+int code_of(Operation op) {
+  switch (op) {
+    case Operation::load: return SQLITE_IOERR_READ;
+    case Operation::complete:
+    case Operation::store_if_absent: return SQLITE_FULL;
+    default: return SQLITE_IOERR_WRITE;
+  }
 }
 
 }  // namespace
 
+void FaultyStore::fail(Operation op, bool on) noexcept {
+  if (on) {
+    failing_.fetch_or(bit(op));
+  } else {
+    failing_.fetch_and(~bit(op));
+  }
+}
+
+bool FaultyStore::failing(Operation op) const noexcept { return (failing_.load() & bit(op)) != 0; }
+
+void FaultyStore::set_unreachable(bool down) noexcept { failing_ = down ? ~0u : 0u; }
+
+void FaultyStore::fail_if(Operation op) const {
+  if (failing(op)) {
+    throw StoreError("simulated outage: the store is unreachable (disk I/O error)", code_of(op));
+  }
+}
+
 Reservation FaultyStore::reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
                                  TimePoint lease) {
-  fail_if(fail_reserve, SQLITE_IOERR_WRITE);
-  return inner_->reserve(id, fp, now, lease);
+  fail_if(Operation::reserve);
+  return StoreWrapper::reserve(id, fp, now, lease);
 }
 
 bool FaultyStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
                            TimePoint expires) {
-  fail_if(fail_complete, SQLITE_FULL);
-  return inner_->complete(id, token, r, expires);
+  fail_if(Operation::complete);
+  return StoreWrapper::complete(id, token, r, expires);
 }
 
 bool FaultyStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
-  fail_if(fail_release, SQLITE_IOERR_WRITE);
-  return inner_->release(id, token, now);
+  fail_if(Operation::release);
+  return StoreWrapper::release(id, token, now);
 }
 
 bool FaultyStore::renew(const KeyId& id, std::int64_t token, TimePoint lease) {
-  return inner_->renew(id, token, lease);
+  fail_if(Operation::renew);
+  return StoreWrapper::renew(id, token, lease);
 }
 
 bool FaultyStore::set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) {
-  return inner_->set_recovery_point(id, token, point);
+  fail_if(Operation::set_recovery_point);
+  return StoreWrapper::set_recovery_point(id, token, point);
 }
 
 std::optional<Record> FaultyStore::load(const KeyId& id) {
-  fail_if(fail_load, SQLITE_IOERR_READ);
-  return inner_->load(id);
+  fail_if(Operation::load);
+  return StoreWrapper::load(id);
 }
 
 std::optional<Record> FaultyStore::store_if_absent(const KeyId& id, const Fingerprint& fp,
                                                    const StoredResponse& r, TimePoint now,
                                                    TimePoint expires) {
-  fail_if(fail_complete, SQLITE_FULL);
-  return inner_->store_if_absent(id, fp, r, now, expires);
+  fail_if(Operation::store_if_absent);
+  return StoreWrapper::store_if_absent(id, fp, r, now, expires);
 }
 
 void FaultyStore::apply(std::span<StoreOp* const> ops) {
-  if (fail_reserve || fail_complete || fail_release) {
-    Store::apply(ops);  // op by op, through the switches above
-  } else {
-    inner_->apply(ops);
+  std::vector<StoreOp*> healthy;
+  healthy.reserve(ops.size());
+  for (StoreOp* op : ops) {
+    try {
+      fail_if(operation_of(op->kind));
+      healthy.push_back(op);
+    } catch (const StoreError&) {
+      op->error = std::current_exception();
+    }
   }
+  if (!healthy.empty()) StoreWrapper::apply(healthy);
 }
 
 std::size_t FaultyStore::purge_expired(TimePoint now, std::size_t limit) {
-  return inner_->purge_expired(now, limit);
+  fail_if(Operation::purge);
+  return StoreWrapper::purge_expired(now, limit);
 }
 
 std::vector<ReapedRecord> FaultyStore::reap(TimePoint before, std::size_t limit) {
-  return inner_->reap(before, limit);
+  fail_if(Operation::reap);
+  return StoreWrapper::reap(before, limit);
 }
 
 }  // namespace idem::sim

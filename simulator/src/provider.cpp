@@ -4,56 +4,35 @@
 
 #include <cstdlib>
 
-#include "idem/asio.hpp"
-#include "sqlite_handle.hpp"  // idem's RAII wrappers over sqlite3 (lib/src)
+#include "idem/internal/sqlite.hpp"
+#include "ledger_sql.hpp"
 
 namespace idem::sim {
 namespace {
-
-constexpr std::string_view kLedgerSchema = R"sql(
-CREATE TABLE IF NOT EXISTS charges (
-  seq      INTEGER PRIMARY KEY AUTOINCREMENT,
-  order_id TEXT    NOT NULL,
-  amount   INTEGER NOT NULL,
-  idem_key TEXT    NOT NULL,
-  at       INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS charges_by_key ON charges (idem_key);
-)sql";
-
-constexpr std::string_view kFindByKey =
-    "SELECT seq FROM charges WHERE idem_key = ?1 AND idem_key <> '' ORDER BY seq LIMIT 1";
-constexpr std::string_view kInsert =
-    "INSERT INTO charges (order_id, amount, idem_key, at) VALUES (?1, ?2, ?3, ?4) RETURNING seq";
-constexpr std::string_view kCount = "SELECT count(*) FROM charges";
-constexpr std::string_view kAll =
-    "SELECT seq, order_id, amount, idem_key, at FROM charges ORDER BY seq";
 
 std::string charge_id(std::int64_t seq) { return fmt::format("ch_{}", seq); }
 
 }  // namespace
 
 struct Provider::Ledger {
-  detail::BusyPolicy busy{std::chrono::seconds(30), {}};
-  detail::Connection db;
-  std::unique_ptr<detail::Statement> begin, commit, rollback, find, insert, count, all;
+  sqlite::BusyPolicy busy{std::chrono::seconds(30), {}};
+  sqlite::Connection db;
+  sqlite::TransactionStatements tx;
+  std::unique_ptr<sqlite::Statement> find, insert, count, all;
 
   explicit Ledger(const std::string& path)
-      : db(detail::open_connection(path.empty() ? ":memory:" : path, &busy)) {
-    detail::enable_wal(db.get(), busy);
-    auto make = [this](std::string_view sql) { return std::make_unique<detail::Statement>(db.get(), sql); };
-    begin = make("BEGIN IMMEDIATE");
-    commit = make("COMMIT");
-    rollback = make("ROLLBACK");
+      : db(sqlite::open_connection(path.empty() ? ":memory:" : path, &busy)), tx(db.get()) {
+    sqlite::enable_wal(db.get(), busy);
     {
-      detail::Transaction tx(*begin, *commit, *rollback);
-      detail::exec(db.get(), kLedgerSchema);
-      tx.commit();
+      sqlite::Transaction schema(tx);
+      sqlite::exec(db.get(), sql::kLedgerSchema);
+      schema.commit();
     }
-    find = make(kFindByKey);
-    insert = make(kInsert);
-    count = make(kCount);
-    all = make(kAll);
+    auto make = [this](std::string_view text) { return std::make_unique<sqlite::Statement>(db.get(), text); };
+    find = make(sql::kFindByKey);
+    insert = make(sql::kInsert);
+    count = make(sql::kCount);
+    all = make(sql::kAll);
   }
 };
 
@@ -76,59 +55,53 @@ void Provider::on_event(std::function<void(TimePoint, const std::string&)> sink)
   sink_ = std::move(sink);
 }
 
-std::optional<Fault> Provider::next_fault() {
+PendingCharge Provider::start(std::string order_id, std::int64_t amount, std::string idempotency_key) {
+  PendingCharge p{std::nullopt, std::move(order_id), amount, std::move(idempotency_key),
+                  clock_->now() + options_.latency};
   std::lock_guard lock(mutex_);
-  if (faults_.empty()) return std::nullopt;
-  Fault f = faults_.front();
-  faults_.pop_front();
-  return f;
+  if (!faults_.empty()) {  // decided when the request arrives
+    p.fault = faults_.front();
+    faults_.pop_front();
+  }
+  return p;
 }
 
 ChargeResult Provider::charge(const std::string& order_id, std::int64_t amount,
                               const std::string& idempotency_key) {
-  const std::optional<Fault> fault = next_fault();  // decided when the request arrives
-  sleep_until(*clock_, clock_->now() + options_.latency);
-  return settle(fault, order_id, amount, idempotency_key);
+  const PendingCharge pending = start(order_id, amount, idempotency_key);
+  sleep_until(*clock_, pending.due);
+  return finish(pending);
 }
 
-boost::asio::awaitable<ChargeResult> Provider::async_charge(std::string order_id,
-                                                            std::int64_t amount,
-                                                            std::string idempotency_key) {
-  const std::optional<Fault> fault = next_fault();
-  co_await async_sleep_until(*clock_, clock_->now() + options_.latency);
-  co_return settle(fault, order_id, amount, idempotency_key);
-}
-
-ChargeResult Provider::settle(std::optional<Fault> fault, const std::string& order_id,
-                              std::int64_t amount, const std::string& idempotency_key) {
+ChargeResult Provider::finish(const PendingCharge& p) {
   std::unique_lock lock(mutex_);
   auto emit = [&](const std::string& line) {
     if (sink_) sink_(clock_->now(), line);
   };
-  if (fault == Fault::timeout) {
-    emit(fmt::format("provider: charge for {} timed out, nothing charged", order_id));
+  if (p.fault == Fault::timeout) {
+    emit(fmt::format("provider: charge for {} timed out, nothing charged", p.order_id));
     throw ProviderTimeout();
   }
-  if (fault == Fault::decline) {
-    emit(fmt::format("provider: charge for {} declined (insufficient funds)", order_id));
+  if (p.fault == Fault::decline) {
+    emit(fmt::format("provider: charge for {} declined (insufficient funds)", p.order_id));
     return ChargeResult{true, "", "insufficient_funds", false};
   }
   Ledger& l = *ledger_;
-  detail::Transaction tx(*l.begin, *l.commit, *l.rollback);
+  sqlite::Transaction tx(l.tx);
   ChargeResult result;
-  if (options_.dedup && !idempotency_key.empty()) {
-    detail::ResetGuard reset(*l.find);
-    l.find->bind(1, idempotency_key);
+  if (options_.dedup && !p.idempotency_key.empty()) {
+    sqlite::ResetGuard reset(*l.find);
+    l.find->bind(1, p.idempotency_key);
     if (l.find->step()) {
       result.charge_id = charge_id(l.find->int64(0));
       result.deduplicated = true;
     }
   }
   if (!result.deduplicated) {
-    detail::ResetGuard reset(*l.insert);
-    l.insert->bind(1, order_id);
-    l.insert->bind(2, amount);
-    l.insert->bind(3, idempotency_key);
+    sqlite::ResetGuard reset(*l.insert);
+    l.insert->bind(1, p.order_id);
+    l.insert->bind(2, p.amount);
+    l.insert->bind(3, p.idempotency_key);
     l.insert->bind(4, static_cast<std::int64_t>(clock_->now().time_since_epoch().count()));
     l.insert->step();
     result.charge_id = charge_id(l.insert->int64(0));
@@ -136,9 +109,9 @@ ChargeResult Provider::settle(std::optional<Fault> fault, const std::string& ord
   }
   tx.commit();
   emit(result.deduplicated
-           ? fmt::format("provider: duplicate charge for {} recognised, returned {}", order_id, result.charge_id)
-           : fmt::format("provider: charged {} for {}", result.charge_id, order_id));
-  if (fault == Fault::crash) {
+           ? fmt::format("provider: duplicate charge for {} recognised, returned {}", p.order_id, result.charge_id)
+           : fmt::format("provider: charged {} for {}", result.charge_id, p.order_id));
+  if (p.fault == Fault::crash) {
     lock.unlock();
     options_.crash();
   }
@@ -147,8 +120,8 @@ ChargeResult Provider::settle(std::optional<Fault> fault, const std::string& ord
 
 std::vector<Charge> Provider::charges() const {
   std::lock_guard lock(mutex_);
-  detail::Statement& s = *ledger_->all;
-  detail::ResetGuard reset(s);
+  sqlite::Statement& s = *ledger_->all;
+  sqlite::ResetGuard reset(s);
   std::vector<Charge> out;
   while (s.step()) {
     out.push_back(Charge{charge_id(s.int64(0)), s.text(1), s.int64(2), s.text(3),
@@ -159,8 +132,8 @@ std::vector<Charge> Provider::charges() const {
 
 std::size_t Provider::charge_count() const {
   std::lock_guard lock(mutex_);
-  detail::Statement& s = *ledger_->count;
-  detail::ResetGuard reset(s);
+  sqlite::Statement& s = *ledger_->count;
+  sqlite::ResetGuard reset(s);
   s.step();
   return static_cast<std::size_t>(s.int64(0));
 }

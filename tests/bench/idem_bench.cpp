@@ -6,6 +6,7 @@
 #include <utility>  // before Asio (Boost 1.74)
 
 #include <fcntl.h>
+#include <sqlite3.h>
 #include <spawn.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -30,8 +31,8 @@
 #include "idem/asio.hpp"
 #include "idem/coordinator.hpp"
 #include "idem/sqlite_store.hpp"
-#include "sql.hpp"
-#include "sqlite_handle.hpp"
+#include "floor_sql.hpp"
+#include "idem/internal/sqlite.hpp"
 
 extern char** environ;
 
@@ -82,22 +83,16 @@ class Floor {
   // `checkpoints` false: never checkpoint (the WAL grows without bound), to show what
   // checkpoints cost the floor; not a configuration anyone should run.
   Floor(const std::string& path, Synchronous sync, bool checkpoints = true)
-      : db_(detail::open_connection(path, &busy_)) {
+      : db_(open_floor(path, busy_)) {
     if (!checkpoints) sqlite3_wal_autocheckpoint(db_.get(), 0);
-    detail::enable_wal(db_.get(), busy_);
-    detail::exec(db_.get(), sync == Synchronous::full ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
+    sqlite::enable_wal(db_.get(), busy_);
+    sqlite::exec(db_.get(), sync == Synchronous::full ? sql::kSynchronousFull : sql::kSynchronousNormal);
     // Default checkpointing (wal_autocheckpoint=1000), as any naive user would have.
-    detail::exec(db_.get(), "BEGIN IMMEDIATE");
-    if (query_int("PRAGMA user_version") == 0) {
-      for (auto m : sql::kMigrations) detail::exec(db_.get(), m);
-      detail::exec(db_.get(), fmt::format("PRAGMA user_version = {}", sql::kMigrations.size()));
-    }
-    detail::exec(db_.get(), "COMMIT");
-    begin_ = std::make_unique<detail::Statement>(db_.get(), sql::kBeginImmediate);
-    commit_ = std::make_unique<detail::Statement>(db_.get(), sql::kCommit);
-    reserve_ = std::make_unique<detail::Statement>(db_.get(), sql::kReserve);
-    complete_ = std::make_unique<detail::Statement>(db_.get(), sql::kComplete);
-    load_ = std::make_unique<detail::Statement>(db_.get(), sql::kLoad);
+    begin_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kBeginImmediate);
+    commit_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kCommit);
+    reserve_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kReserve);
+    complete_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kComplete);
+    load_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kLoad);
   }
 
   // One protected call done naively: the reservation in one transaction, the completion in a
@@ -112,7 +107,7 @@ class Floor {
     reserve_->bind(6, now_ms + 30000);
     reserve_->bind(7, now_ms);
     reserve_->step();
-    const std::int64_t token = sqlite3_changes(db_.get()) == 1 ? now_ms : 0;
+    const std::int64_t token = reserve_->changes() == 1 ? now_ms : 0;
     reserve_->reset();
     step(*commit_);
     complete_->bind(1, kTenant);
@@ -139,18 +134,18 @@ class Floor {
   }
 
  private:
-  static void step(detail::Statement& s) {
+  // idem's schema, made by idem itself (the floor runs no migrations of its own).
+  static sqlite::Connection open_floor(const std::string& path, sqlite::BusyPolicy& busy) {
+    { SqliteStore schema(path); }
+    return sqlite::open_connection(path, &busy);
+  }
+  static void step(sqlite::Statement& s) {
     s.step();
     s.reset();
   }
-  std::int64_t query_int(const char* sql) {
-    detail::Statement s(db_.get(), sql);
-    s.step();
-    return s.int64(0);
-  }
-  detail::BusyPolicy busy_{std::chrono::seconds(10), {}};
-  detail::Connection db_;
-  std::unique_ptr<detail::Statement> begin_, commit_, reserve_, complete_, load_;
+  sqlite::BusyPolicy busy_{std::chrono::seconds(10), {}};
+  sqlite::Connection db_;
+  std::unique_ptr<sqlite::Statement> begin_, commit_, reserve_, complete_, load_;
 };
 
 std::int64_t now_ms() {
@@ -453,18 +448,15 @@ Stats handoff_cross_process(const Config& c, std::size_t rounds) {
 // random order like real UUIDs, expiring at `expires_ms`.
 void bulk_fill(const std::string& path, std::size_t count, std::int64_t expires_ms, const std::string& prefix) {
   { SqliteStore schema(path); }
-  detail::BusyPolicy busy{std::chrono::seconds(10), {}};
-  detail::Connection db = detail::open_connection(path, &busy);
-  detail::exec(db.get(), "PRAGMA synchronous=OFF");
-  detail::exec(db.get(), "PRAGMA cache_size=-262144");
-  detail::Statement insert(db.get(), R"sql(
-INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at,
-                       expires_at, status, body)
-VALUES ('alpha', 'payment.charge', ?1, ?2, 2, 1, 0, 0, ?3, 200, ?4))sql");
+  sqlite::BusyPolicy busy{std::chrono::seconds(10), {}};
+  sqlite::Connection db = sqlite::open_connection(path, &busy);
+  sqlite::exec(db.get(), sql::kSynchronousOff);
+  sqlite::exec(db.get(), sql::kBigCache);
+  sqlite::Statement insert(db.get(), sql::kBulkInsert);
   std::mt19937_64 rng(42);
   const std::string body(200, 'x');
   for (std::size_t done = 0; done < count;) {
-    detail::exec(db.get(), "BEGIN");
+    sqlite::exec(db.get(), sql::kBegin);
     for (std::size_t i = 0; i < 100000 && done < count; ++i, ++done) {
       const std::string key = fmt::format("{}{:016x}{:016x}", prefix, rng(), done);
       insert.bind(1, key);
@@ -474,9 +466,9 @@ VALUES ('alpha', 'payment.charge', ?1, ?2, 2, 1, 0, 0, ?3, 200, ?4))sql");
       insert.step();
       insert.reset();
     }
-    detail::exec(db.get(), "COMMIT");
+    sqlite::exec(db.get(), sql::kCommit);
   }
-  detail::exec(db.get(), "PRAGMA wal_checkpoint(TRUNCATE)");
+  sqlite::exec(db.get(), sql::kCheckpointTruncate);
   // The fill ran with synchronous=OFF: put it on disk now, as a store that has been running
   // a while would have it, or the first checkpoint measured would pay for the whole fill.
   const int fd = ::open(path.c_str(), O_RDONLY);

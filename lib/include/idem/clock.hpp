@@ -6,13 +6,9 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <thread>
 
 namespace idem {
 
@@ -39,34 +35,16 @@ class Clock {
   virtual void cancel(TimerId id) = 0;
 };
 
-// The pending calls of a clock, in (deadline, scheduling order) order. Not thread-safe:
-// its owner's lock guards it. Shared by SystemClock and idem::sim::SimulatedClock.
-class TimerQueue {
- public:
-  using TimerId = Clock::TimerId;
-
-  TimerId add(TimePoint at, std::function<void()> fn);
-  void cancel(TimerId id);  // no effect if it is not pending
-  bool empty() const noexcept { return pending_.empty(); }
-  TimePoint earliest() const;  // requires !empty()
-  // Removes and returns the earliest call (requires !empty()).
-  std::function<void()> pop();
-
- private:
-  std::map<std::pair<TimePoint, TimerId>, std::function<void()>> pending_;
-  std::map<TimerId, TimePoint> deadline_of_;
-  TimerId next_id_ = 1;
-};
-
 // Blocks the calling thread until `clock` reaches `at` (through call_at, so it works on a
 // simulated clock as long as another thread advances it).
 void sleep_until(Clock& clock, TimePoint at);
 
 // Wall-clock time (std::chrono::system_clock) with one timer thread, started on the first
-// call_at and joined by the destructor.
+// call_at and joined by the destructor (calls still pending then never run).
+// Thread-safety: safe for concurrent use.
 class SystemClock final : public Clock {
  public:
-  SystemClock() = default;
+  SystemClock();
   ~SystemClock() override;
   SystemClock(const SystemClock&) = delete;
   SystemClock& operator=(const SystemClock&) = delete;
@@ -76,17 +54,8 @@ class SystemClock final : public Clock {
   void cancel(TimerId id) override;
 
  private:
-  void run();
-
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  TimerQueue pending_;    // guarded by mutex_
-  bool stopping_ = false;  // guarded by mutex_
-  // Guarded by mutex_: when the timer thread will next wake on its own. call_at() only
-  // signals it for an earlier deadline, so a steady stream of later ones (heartbeats)
-  // costs no wake-up.
-  TimePoint wakes_at_ = TimePoint::max();
-  std::thread thread_;                          // started under mutex_
+  struct Timers;
+  std::unique_ptr<Timers> timers_;  // the pending calls and their thread
 };
 
 }  // namespace idem

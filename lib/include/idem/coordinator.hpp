@@ -28,6 +28,11 @@
 
 namespace idem {
 
+namespace detail {
+class CoordinatorCore;
+struct CoordinatorAccess;
+}  // namespace detail
+
 struct Request {
   std::string tenant;
   std::string operation;
@@ -69,41 +74,59 @@ class Coordinator {
   // - Stored responses (any status the action returned, a 402 included) replay byte for
   //   byte with Outcome::Source::replayed.
   // - If `action` throws, the reservation is released and the exception propagates: the
-  //   next call with this key really runs again.
+  //   next call with this key really runs again. (If the release itself fails, it is
+  //   logged as "release_failed" and counted; the exception still propagates and the key
+  //   stays reserved until its lease ends.)
   // Throws:
   //   InvalidKeyError   - key, tenant or operation breaks SPEC §1, or the key is missing
   //                       under MissingKey::reject. Nothing ran, nothing stored.
   //   KeyReuseError     - a live record of this key has another fingerprint.
   //   InProgressError   - another request holds the key (InFlight::raise), or it still
   //                       held it after max_wait (InFlight::wait).
-  //   LeaseLostError    - the action ran, but this caller's lease was taken over in the
-  //                       meantime; the new owner's record stands.
+  //   LeaseLostError    - the action ran (and returned or threw), but this caller's lease was
+  //                       taken over in the meantime; the new owner's record stands.
   //   StoreError        - the store failed under FailureMode::fail_closed (action not run).
   // A store failure after the action ran is logged and counted, not thrown: the response
   // is returned and the key stays reserved until its lease ends.
   Outcome call(const Request& request, const std::function<Response()>& action);
 
-  // Deletes every record that no longer counts, in batches of `batch` records, each its
-  // own short transaction. Returns how many were deleted. Throws StoreError.
+  // Deletes completed records past their TTL and released records, in batches of `batch`
+  // records, each its own short transaction, until a batch comes back short. Reservations
+  // whose lease ended are not purged: reap() reports and clears them. Returns how many were
+  // deleted (also counted in metrics().purged). Throws StoreError; the batches deleted
+  // before the failure stay deleted. Throws idem::error(errc::invalid_argument) if `batch`
+  // is 0. Safe to run while calls are served.
   std::size_t purge_expired(std::size_t batch = 100);
 
   // Reports (log event "reaped", counter) and deletes in_progress records whose lease
-  // ended more than Options::reap_after ago. Throws StoreError.
+  // ended more than Options::reap_after ago, in batches of `batch`. Returns them. Throws
+  // StoreError; the batches cleared before the failure stay cleared. Throws
+  // idem::error(errc::invalid_argument) if `batch` is 0.
   std::vector<ReapedRecord> reap(std::size_t batch = 100);
 
   // The TTL for `operation` (ttl_by_operation, else ttl).
   std::chrono::milliseconds ttl_for(std::string_view operation) const;
 
+  // A snapshot of the decision counters since this coordinator was built (see
+  // MetricsSnapshot). Cheap; safe from any thread at any time.
   MetricsSnapshot metrics() const;
+
+  // The options as given to the constructor (Options::clock stays null when the
+  // coordinator made its own SystemClock: use clock()).
   const Options& options() const noexcept;
+
+  // The clock every time of this coordinator comes from: Options::clock, or the SystemClock
+  // the coordinator owns. Valid as long as the coordinator.
   Clock& clock() const noexcept;
+
+  // The store given to the constructor. Valid as long as the coordinator (which shares its
+  // ownership). Writing to it directly bypasses the coordinator's bookkeeping: meant for
+  // maintenance and tests.
   Store& store() const noexcept;
 
-  struct Impl;  // shared with the Asio front end (idem/asio.hpp)
-  Impl& impl() noexcept { return *impl_; }
-
  private:
-  std::unique_ptr<Impl> impl_;
+  friend struct detail::CoordinatorAccess;  // the coroutine front end (idem/asio.hpp)
+  std::unique_ptr<detail::CoordinatorCore> core_;
 };
 
 }  // namespace idem

@@ -2,12 +2,11 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
-#include <span>
-#include <vector>
+#include <cstdint>
 #include <memory>
-#include <mutex>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "idem/store.hpp"
 
@@ -40,13 +39,13 @@ struct SqliteOptions {
 };
 
 // A Store on one SQLite database file in WAL mode, shared safely by threads of this
-// process (one connection behind a mutex) and by other processes opening the same file.
-// The schema is versioned with PRAGMA user_version and migrated on open.
+// process (one connection behind a first-come-first-served lock) and by other processes
+// opening the same file. The schema is versioned with PRAGMA user_version and migrated on
+// open.
 //
-// Group commit: writes that arrive while another thread is committing are queued and
-// committed together in one transaction by the next thread to take the connection (each
-// op keeps its own outcome; none learns its result before the commit). A single caller
-// pays nothing for this.
+// apply() commits all the ops it is given in one transaction (each op keeps its own
+// outcome); the Coordinator's group commit hands it the writes of every call that is ready
+// at once.
 //
 // Thread-safety: safe for concurrent use.
 class SqliteStore final : public Store {
@@ -78,8 +77,8 @@ class SqliteStore final : public Store {
   std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
   void apply(std::span<StoreOp* const> ops) override;
 
-  // How many transactions apply() committed, and how many ops they carried (for
-  // benchmarks and tests of group commit).
+  // How many write transactions committed, and how many ops they carried (for benchmarks
+  // and tests of group commit).
   struct CommitStats {
     std::uint64_t transactions = 0;
     std::uint64_t ops = 0;
@@ -89,15 +88,7 @@ class SqliteStore final : public Store {
 
  private:
   struct Impl;
-  struct Batch;
-  void run_batches(const std::vector<Batch*>& batches);
-
   std::unique_ptr<Impl> impl_;  // its connection is guarded by its own first-come lock
-  // Group commit: callers queue their ops; one of them (the leader) commits the queue.
-  std::mutex queue_mutex_;
-  std::condition_variable queue_cv_;
-  std::vector<Batch*> queue_;   // guarded by queue_mutex_
-  bool leader_active_ = false;  // guarded by queue_mutex_
 };
 
 }  // namespace idem

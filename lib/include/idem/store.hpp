@@ -76,23 +76,25 @@ struct ReapedRecord {
   TimePoint lease_until;
 };
 
-// One write for Store::apply: the inputs of reserve(), complete() or release(), and room
-// for the result. The pointers belong to the caller and must stay valid until apply()
-// has returned.
+// One write for Store::apply: the inputs of reserve(), complete(), release() or
+// store_if_absent(), and room for the result. The pointers belong to the caller and must
+// stay valid until apply() has returned.
 struct StoreOp {
-  enum class Kind { reserve, complete, release };
+  enum class Kind { reserve, complete, release, store_if_absent };
   Kind kind = Kind::reserve;
   const KeyId* id = nullptr;
-  const Fingerprint* fingerprint = nullptr;  // reserve
-  TimePoint now{};                           // reserve, release
+  const Fingerprint* fingerprint = nullptr;  // reserve, store_if_absent
+  TimePoint now{};                           // reserve, release, store_if_absent
   TimePoint lease_until{};                   // reserve
-  TimePoint expires_at{};                    // complete
+  TimePoint expires_at{};                    // complete, store_if_absent
   std::int64_t token = 0;                    // complete, release
-  const StoredResponse* response = nullptr;  // complete
+  const StoredResponse* response = nullptr;  // complete, store_if_absent
 
-  // Results: for reserve, `reservation`; for complete and release, `applied` (false: the
-  // token was not current). `error` holds the StoreError if this op failed; then the
-  // other results mean nothing and nothing of this op was written.
+  // Results. reserve: `reservation`. complete and release: `applied` (false: the token was
+  // not current). store_if_absent: `reservation`, Kind::existing with the live record that
+  // won, or Kind::reserved when this op stored its response. `error` holds the StoreError
+  // if this op failed; then the other results mean nothing and nothing of this op was
+  // written.
   Reservation reservation{};
   bool applied = false;
   std::exception_ptr error{};
@@ -121,10 +123,13 @@ class Store {
   // in_progress -> released, only if `token` is current. Returns false if it is not.
   virtual bool release(const KeyId& id, std::int64_t token, TimePoint now) = 0;
 
-  // Extends the lease of an in_progress record, only if `token` is current.
+  // Extends the lease of an in_progress record to `lease_until`, only if `token` is current.
+  // Returns false, changing nothing, if it is not (the lease was taken over, or the record
+  // was completed, released, reaped or purged): the caller no longer holds the key.
   virtual bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) = 0;
 
-  // Records the last finished step of a multi-step operation, only if `token` is current.
+  // Records the last finished step of a multi-step operation, only if `token` is current
+  // (and the record in progress). Returns false, changing nothing, if it is not.
   virtual bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) = 0;
 
   // The record as stored (live or not), or nullopt.
@@ -138,9 +143,10 @@ class Store {
 
   // Applies several writes, each with its own outcome, as if one after another in `ops`
   // order: a conflict or a stale token in one op never fails its neighbours. An engine may
-  // commit them together (SqliteStore does: group commit); no result is visible to the
-  // caller before its write is durable as configured. Never throws: failures go to
-  // StoreOp::error. The default runs reserve(), complete() and release() one by one.
+  // commit them in one transaction (SqliteStore does; the coordinator's group commit hands
+  // it the writes of every call that is ready at once); no result may be acted on before
+  // its write is durable as configured. Never throws: failures go to StoreOp::error. The
+  // default runs reserve(), complete(), release() and store_if_absent() one by one.
   virtual void apply(std::span<StoreOp* const> ops);
 
   // Deletes up to `limit` records that no longer count (completed past expires_at, or

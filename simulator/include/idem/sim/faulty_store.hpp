@@ -4,31 +4,40 @@
 #include <atomic>
 #include <memory>
 
-#include "idem/store.hpp"
+#include "idem/store_wrapper.hpp"
 
 namespace idem::sim {
 
+// The operations of a Store, each of which FaultyStore can make fail.
+enum class Operation : unsigned {
+  reserve,
+  complete,
+  release,
+  renew,
+  set_recovery_point,
+  load,
+  store_if_absent,
+  purge,
+  reap,
+};
+
 // Wraps a real Store and makes chosen operations fail with StoreError, the way a disk that
 // stops taking writes or a database that cannot be reached would (the idea of LevelDB's
-// FaultInjectionTestEnv). Operations not switched to fail go to the real store.
+// FaultInjectionTestEnv). A failing operation changes nothing; the others go to the real
+// store, and batched writes that are not failing still commit together.
 //
 // Thread-safety: as the wrapped store; the switches are atomic.
-class FaultyStore final : public Store {
+class FaultyStore final : public StoreWrapper {
  public:
-  explicit FaultyStore(std::shared_ptr<Store> inner) : inner_(std::move(inner)) {}
+  using StoreWrapper::StoreWrapper;
 
-  std::atomic<bool> fail_reserve{false};   // reserve() and store_if_absent()'s first look
-  std::atomic<bool> fail_complete{false};  // complete() and store_if_absent()
-  std::atomic<bool> fail_release{false};
-  std::atomic<bool> fail_load{false};
-
-  // Every switch at once: the store is unreachable.
-  void set_unreachable(bool down) {
-    fail_reserve = down;
-    fail_complete = down;
-    fail_release = down;
-    fail_load = down;
-  }
+  // Makes `op` fail (or work again). The StoreError carries the SQLite code a real outage
+  // of that kind would: SQLITE_IOERR_READ for load, SQLITE_FULL for complete and
+  // store_if_absent, SQLITE_IOERR_WRITE for the rest.
+  void fail(Operation op, bool on = true) noexcept;
+  bool failing(Operation op) const noexcept;
+  // Every operation at once: the store is unreachable.
+  void set_unreachable(bool down) noexcept;
 
   Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now, TimePoint lease) override;
   bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r, TimePoint expires) override;
@@ -39,13 +48,15 @@ class FaultyStore final : public Store {
   std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fp,
                                         const StoredResponse& r, TimePoint now,
                                         TimePoint expires) override;
+  // Ops whose operation is failing get the error; the rest go to the wrapped store's apply()
+  // together (its group commit).
+  void apply(std::span<StoreOp* const> ops) override;
   std::size_t purge_expired(TimePoint now, std::size_t limit) override;
   std::vector<ReapedRecord> reap(TimePoint before, std::size_t limit) override;
-  // With no fault switched on, the wrapped store's own apply() (its group commit).
-  void apply(std::span<StoreOp* const> ops) override;
 
  private:
-  std::shared_ptr<Store> inner_;
+  void fail_if(Operation op) const;
+  std::atomic<unsigned> failing_{0};  // one bit per Operation
 };
 
 }  // namespace idem::sim

@@ -4,12 +4,10 @@
 // the order charges are made. Its ledger counts every charge made: that count is the bank
 // statement, the ground truth of every table and test. The ledger is an SQLite database:
 // private in memory by default, or a file shared by several processes, which then count
-// their charges together (ids are assigned atomically across processes).
+// their charges together (ids are assigned atomically across processes). Coroutines charge
+// through idem/sim/async_provider.hpp.
 #pragma once
 
-#include <utility>  // Boost 1.74's awaitable.hpp needs std::exchange declared first
-
-#include <boost/asio/awaitable.hpp>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -59,6 +57,16 @@ struct ChargeResult {
   bool deduplicated = false; // true: an earlier charge with the same key was returned
 };
 
+// A charge on its way (Provider::start): what it will do was decided when it arrived; it
+// settles (Provider::finish) once the clock reaches `due`.
+struct PendingCharge {
+  std::optional<Fault> fault;
+  std::string order_id;
+  std::int64_t amount = 0;
+  std::string idempotency_key;
+  TimePoint due;
+};
+
 struct Charge {
   std::string id;
   std::string order_id;
@@ -76,12 +84,18 @@ class Provider {
   Provider(const Provider&) = delete;
   Provider& operator=(const Provider&) = delete;
 
-  // Blocks the calling thread for the latency (on the clock), then charges.
+  // Blocks the calling thread for the latency (on the clock), then charges: start(), a
+  // sleep until its due time, finish(). Throws ProviderTimeout for an injected timeout;
+  // runs ProviderOptions::crash after recording the charge for an injected crash; throws
+  // StoreError if the ledger cannot be written.
   ChargeResult charge(const std::string& order_id, std::int64_t amount,
                       const std::string& idempotency_key);
-  // The same for coroutines: suspends for the latency on the clock.
-  boost::asio::awaitable<ChargeResult> async_charge(std::string order_id, std::int64_t amount,
-                                                    std::string idempotency_key);
+
+  // The two halves of charge(), for drivers that wait their own way (a coroutine, a
+  // simulator): start() takes the next injected fault and says when the charge is due;
+  // finish() settles it, as charge() does after its sleep.
+  PendingCharge start(std::string order_id, std::int64_t amount, std::string idempotency_key);
+  ChargeResult finish(const PendingCharge& charge);
 
   // Queues `times` copies of `fault` for the next charges (first in, first out).
   void inject(Fault fault, std::size_t times = 1);
@@ -98,9 +112,6 @@ class Provider {
 
  private:
   struct Ledger;
-  std::optional<Fault> next_fault();
-  ChargeResult settle(std::optional<Fault> fault, const std::string& order_id,
-                      std::int64_t amount, const std::string& idempotency_key);
 
   std::shared_ptr<Clock> clock_;
   ProviderOptions options_;

@@ -2,13 +2,11 @@
 #pragma once
 
 #include <chrono>
-#include <cstddef>
 #include <functional>
-#include <map>
 #include <mutex>
-#include <optional>
 
 #include "idem/clock.hpp"
+#include "idem/timer_queue.hpp"
 
 namespace idem::sim {
 

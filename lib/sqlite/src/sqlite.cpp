@@ -1,4 +1,6 @@
-#include "sqlite_handle.hpp"
+#include "idem/internal/sqlite.hpp"
+
+#include <sqlite3.h>
 
 #include <fmt/format.h>
 
@@ -6,8 +8,9 @@
 #include <thread>
 
 #include "idem/errors.hpp"
+#include "sql.hpp"
 
-namespace idem::detail {
+namespace idem::sqlite {
 namespace {
 
 // SQLite calls this with the number of earlier calls for the same lock; returning 0 makes
@@ -36,7 +39,7 @@ int on_busy(void* arg, int count) {
 
 }  // namespace
 
-void throw_sqlite(sqlite3* db, int rc, std::string_view what) {
+void throw_error(sqlite3* db, int rc, std::string_view what) {
   const int code = db != nullptr ? sqlite3_extended_errcode(db) : rc;
   const char* msg = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
   throw StoreError(fmt::format("sqlite: {}: {} (code {})", what, msg, code), code);
@@ -48,7 +51,7 @@ Connection open_connection(const std::string& path, BusyPolicy* busy) {
                                  SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
                                  nullptr);
   Connection db(raw);
-  if (rc != SQLITE_OK) throw_sqlite(raw, rc, fmt::format("open {}", path));
+  if (rc != SQLITE_OK) throw_error(raw, rc, fmt::format("open {}", path));
   sqlite3_extended_result_codes(raw, 1);
   sqlite3_busy_handler(raw, &on_busy, busy);
   return db;
@@ -58,7 +61,7 @@ void enable_wal(sqlite3* db, const BusyPolicy& busy) {
   const auto deadline = std::chrono::steady_clock::now() + busy.timeout;
   for (int attempt = 0;; ++attempt) {
     try {
-      Statement mode(db, "PRAGMA journal_mode=WAL");
+      Statement mode(db, sql::kJournalModeWal);
       mode.step();
       return;
     } catch (const StoreError& e) {
@@ -80,46 +83,52 @@ void exec(sqlite3* db, std::string_view sql) {
   }
 }
 
+void ConnectionCloser::operator()(sqlite3* db) const noexcept { sqlite3_close_v2(db); }
+
+void Statement::Finalizer::operator()(sqlite3_stmt* s) const noexcept { sqlite3_finalize(s); }
+
 Statement::Statement(sqlite3* db, std::string_view sql) : db_(db) {
   sqlite3_stmt* raw = nullptr;
   const int rc = sqlite3_prepare_v3(db, sql.data(), static_cast<int>(sql.size()),
                                     SQLITE_PREPARE_PERSISTENT, &raw, nullptr);
   stmt_.reset(raw);
-  if (rc != SQLITE_OK) throw_sqlite(db, rc, fmt::format("prepare {}", sql.substr(0, 60)));
+  if (rc != SQLITE_OK) throw_error(db, rc, fmt::format("prepare {}", sql.substr(0, 60)));
 }
 
 void Statement::bind(int index, std::string_view text) {
   const int rc = sqlite3_bind_text(stmt_.get(), index, text.data(), static_cast<int>(text.size()),
                                    SQLITE_STATIC);
-  if (rc != SQLITE_OK) throw_sqlite(db_, rc, "bind text");
+  if (rc != SQLITE_OK) throw_error(db_, rc, "bind text");
 }
 
 void Statement::bind(int index, std::int64_t value) {
   const int rc = sqlite3_bind_int64(stmt_.get(), index, value);
-  if (rc != SQLITE_OK) throw_sqlite(db_, rc, "bind int");
+  if (rc != SQLITE_OK) throw_error(db_, rc, "bind int");
 }
 
 void Statement::bind_blob(int index, const void* data, std::size_t size) {
   const int rc = sqlite3_bind_blob64(stmt_.get(), index, data, size, SQLITE_STATIC);
-  if (rc != SQLITE_OK) throw_sqlite(db_, rc, "bind blob");
+  if (rc != SQLITE_OK) throw_error(db_, rc, "bind blob");
 }
 
 void Statement::bind_null(int index) {
   const int rc = sqlite3_bind_null(stmt_.get(), index);
-  if (rc != SQLITE_OK) throw_sqlite(db_, rc, "bind null");
+  if (rc != SQLITE_OK) throw_error(db_, rc, "bind null");
 }
 
 bool Statement::step() {
   const int rc = sqlite3_step(stmt_.get());
   if (rc == SQLITE_ROW) return true;
   if (rc == SQLITE_DONE) return false;
-  throw_sqlite(db_, rc, "step");
+  throw_error(db_, rc, "step");
 }
 
 void Statement::reset() noexcept {
   sqlite3_reset(stmt_.get());
   sqlite3_clear_bindings(stmt_.get());
 }
+
+int Statement::changes() const noexcept { return sqlite3_changes(db_); }
 
 bool Statement::is_null(int column) const {
   return sqlite3_column_type(stmt_.get(), column) == SQLITE_NULL;
@@ -143,17 +152,19 @@ std::string_view Statement::blob_view(int column) const {
 
 std::string Statement::blob(int column) const { return std::string(blob_view(column)); }
 
-Transaction::Transaction(Statement& begin, Statement& commit, Statement& rollback)
-    : commit_(commit), rollback_(rollback) {
-  ResetGuard reset(begin);
-  begin.step();
+TransactionStatements::TransactionStatements(sqlite3* db)
+    : begin(db, sql::kBeginImmediate), commit(db, sql::kCommit), rollback(db, sql::kRollback) {}
+
+Transaction::Transaction(TransactionStatements& s) : s_(s) {
+  ResetGuard reset(s_.begin);
+  s_.begin.step();
 }
 
 Transaction::~Transaction() {
   if (done_) return;
   try {
-    ResetGuard reset(rollback_);
-    rollback_.step();
+    ResetGuard reset(s_.rollback);
+    s_.rollback.step();
   } catch (const StoreError&) {
     // The connection is already in trouble; SQLite rolls back on its own when a statement
     // fails inside a transaction that cannot continue.
@@ -161,9 +172,9 @@ Transaction::~Transaction() {
 }
 
 void Transaction::commit() {
-  ResetGuard reset(commit_);
-  commit_.step();
+  ResetGuard reset(s_.commit);
+  s_.commit.step();
   done_ = true;
 }
 
-}  // namespace idem::detail
+}  // namespace idem::sqlite

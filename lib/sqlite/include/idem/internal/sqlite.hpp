@@ -1,38 +1,49 @@
-// RAII wrappers over the sqlite3 C API, in the manner of SQLiteCpp: a statement is
-// prepared in its constructor and finalized in its destructor; a transaction rolls back
-// in its destructor unless committed. Every failure throws idem::StoreError carrying
-// SQLite's extended result code. Only lib/src/sqlite_*.cpp include this file.
+// idem's RAII wrappers over the sqlite3 C API, in the manner of SQLiteCpp: a connection is
+// closed by its destructor; a statement is prepared in its constructor and finalized in its
+// destructor; a transaction rolls back in its destructor unless committed. Every failure
+// throws idem::StoreError carrying SQLite's extended result code.
+//
+// An internal target (idem::sqlite_internal), shared by the library's SqliteStore, the
+// simulator's ledger, the demo's payments table and the benchmark's floor; it is not part of
+// idem's public API and its header is not installed. Like SQLiteCpp's, this header does not
+// include <sqlite3.h>.
+//
+// Why not Debian's libsqlitecpp-dev (3.2.1): idem prepares every statement once with
+// SQLITE_PREPARE_PERSISTENT (SQLiteCpp uses sqlite3_prepare_v2), installs its own bounded
+// busy handler, reads blobs without copying, reports failures as idem::StoreError, and its
+// hot path (a replay is ~3 us) cannot afford SQLiteCpp's shared_ptr copy per column read.
 #pragma once
 
-#include <sqlite3.h>
-
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
 
-namespace idem::detail {
+struct sqlite3;
+struct sqlite3_stmt;
 
-[[noreturn]] void throw_sqlite(sqlite3* db, int rc, std::string_view what);
+namespace idem::sqlite {
 
-struct ConnectionDeleter {
-  void operator()(sqlite3* db) const noexcept { sqlite3_close_v2(db); }
-};
-using Connection = std::unique_ptr<sqlite3, ConnectionDeleter>;
+// Throws StoreError "sqlite: <what>: <SQLite's message> (code N)" with the extended code.
+[[noreturn]] void throw_error(sqlite3* db, int rc, std::string_view what);
 
 // How long a connection retries a locked database. Owned by the connection's user and
-// outliving the connection.
+// outliving the connection; `timeout` may be changed between statements.
 struct BusyPolicy {
   std::chrono::milliseconds timeout;
   std::chrono::steady_clock::time_point started;  // of the current wait
 };
 
+struct ConnectionCloser {
+  void operator()(sqlite3* db) const noexcept;
+};
+using Connection = std::unique_ptr<sqlite3, ConnectionCloser>;
+
 // Opens `path` read-write (creating it), extended result codes on, and installs a busy
-// handler that retries with short growing sleeps (50 us to 1 ms) until `busy->timeout`.
-// (SQLite's default handler sleeps in coarse steps and can starve one of two writers.)
+// handler that retries with short growing sleeps (50 us to 1 ms; every 50 us once a wait
+// has lasted 10 ms) until `busy->timeout`. SQLite's default handler sleeps in coarse steps
+// and can starve one of two writers.
 Connection open_connection(const std::string& path, BusyPolicy* busy);
 
 // Puts the database in WAL mode. Switching needs a moment of exclusive access, and SQLite
@@ -41,49 +52,27 @@ Connection open_connection(const std::string& path, BusyPolicy* busy);
 // stay in "memory" mode.
 void enable_wal(sqlite3* db, const BusyPolicy& busy);
 
-// A mutex that serves waiters in arrival order (a ticket lock). The connection's lock is
-// one: a thread that loops (purge batches, a busy leader) cannot starve the others,
-// because releasing and re-locking puts it behind everyone already waiting.
-class FairMutex {
- public:
-  void lock() {
-    std::unique_lock guard(mutex_);
-    const std::uint64_t ticket = next_++;
-    cv_.wait(guard, [&] { return serving_ == ticket; });
-  }
-  void unlock() {
-    {
-      std::lock_guard guard(mutex_);
-      ++serving_;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::uint64_t next_ = 0;     // guarded by mutex_
-  std::uint64_t serving_ = 0;  // guarded by mutex_
-};
-
 // Runs statements that return no rows we need (PRAGMAs, DDL).
 void exec(sqlite3* db, std::string_view sql);
 
+// Thread-safety: none; a statement belongs to its connection's user.
 class Statement {
  public:
   Statement(sqlite3* db, std::string_view sql);
   Statement(const Statement&) = delete;
   Statement& operator=(const Statement&) = delete;
 
-  void bind(int index, std::string_view text);
+  void bind(int index, std::string_view text);  // not copied: must outlive the step
   void bind(int index, std::int64_t value);
-  void bind_blob(int index, const void* data, std::size_t size);
+  void bind_blob(int index, const void* data, std::size_t size);  // not copied either
   void bind_null(int index);
 
   // Steps once: true when a row is ready, false when done. Throws StoreError.
   bool step();
   // Resets and clears bindings; the statement is ready for reuse.
   void reset() noexcept;
+  // Rows changed by the last INSERT, UPDATE or DELETE on this statement's connection.
+  int changes() const noexcept;
 
   bool is_null(int column) const;
   std::int64_t int64(int column) const;
@@ -94,7 +83,7 @@ class Statement {
 
  private:
   struct Finalizer {
-    void operator()(sqlite3_stmt* s) const noexcept { sqlite3_finalize(s); }
+    void operator()(sqlite3_stmt* s) const noexcept;
   };
   sqlite3* db_;
   std::unique_ptr<sqlite3_stmt, Finalizer> stmt_;
@@ -112,20 +101,25 @@ class ResetGuard {
   Statement& s_;
 };
 
+// BEGIN IMMEDIATE, COMMIT and ROLLBACK, prepared once per connection.
+struct TransactionStatements {
+  explicit TransactionStatements(sqlite3* db);
+  Statement begin, commit, rollback;
+};
+
 // BEGIN IMMEDIATE in the constructor (so a read-then-write cannot fail to upgrade its
 // lock), ROLLBACK in the destructor unless commit() ran.
 class Transaction {
  public:
-  Transaction(Statement& begin, Statement& commit, Statement& rollback);
+  explicit Transaction(TransactionStatements& s);
   ~Transaction();
   Transaction(const Transaction&) = delete;
   Transaction& operator=(const Transaction&) = delete;
   void commit();
 
  private:
-  Statement& commit_;
-  Statement& rollback_;
+  TransactionStatements& s_;
   bool done_ = false;
 };
 
-}  // namespace idem::detail
+}  // namespace idem::sqlite

@@ -1,0 +1,43 @@
+// idem — a Store that forwards every operation to another Store: the base for decorators
+// (fault injection, tracing, metrics), in the manner of LevelDB's EnvWrapper. A decorator
+// derives from it and overrides only what it changes.
+#pragma once
+
+#include <memory>
+
+#include "idem/store.hpp"
+
+namespace idem {
+
+// Thread-safety: as the target's (the wrapper adds no state).
+class StoreWrapper : public Store {
+ public:
+  // Throws idem::error(errc::invalid_argument) if `target` is null.
+  explicit StoreWrapper(std::shared_ptr<Store> target);
+
+  // The wrapped store.
+  Store& target() const noexcept { return *target_; }
+
+  Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                      TimePoint lease_until) override;
+  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                TimePoint expires_at) override;
+  bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
+  bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
+  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
+  std::optional<Record> load(const KeyId& id) override;
+  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                        const StoredResponse& response, TimePoint now,
+                                        TimePoint expires_at) override;
+  // The target's own apply() (its single transaction, if it has one). A decorator that
+  // overrides reserve(), complete(), release() or store_if_absent() must override apply()
+  // too, or batched writes bypass it.
+  void apply(std::span<StoreOp* const> ops) override;
+  std::size_t purge_expired(TimePoint now, std::size_t limit) override;
+  std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
+
+ private:
+  std::shared_ptr<Store> target_;
+};
+
+}  // namespace idem

@@ -1,0 +1,365 @@
+#include "flow.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "core.hpp"
+
+namespace idem::detail {
+namespace {
+
+std::string describe(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+}  // namespace
+
+Loaded read_record(Store& store, const KeyId& id) noexcept {
+  Loaded out;
+  try {
+    out.record = store.load(id);
+  } catch (...) {
+    out.error = std::current_exception();
+  }
+  return out;
+}
+
+Flow::Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_waiter)
+    : core_(core),
+      call_(core.prepare(request)),
+      make_waiter_(std::move(make_waiter)),
+      give_up_(core.now() + core.options.max_wait),
+      poll_(core.options.poll_initial) {}
+
+Flow::~Flow() {
+  heartbeat_.reset();
+  unsubscribe();
+  done_holding();  // a driver that stopped mid-way (a destroyed coroutine) still wakes waiters
+}
+
+Effect Flow::next() {
+  switch (phase_) {
+    case Phase::start:
+      if (!call_.has_key) {
+        return act(decide({Found::Kind::no_key}, call_, core_.options.on_store_failure, {}, {}),
+                   nullptr, {});
+      }
+      return read();
+    case Phase::read: return after_read();
+    case Phase::reserve: return after_reserve();
+    case Phase::ran: return after_ran();
+    case Phase::failed:
+      if (mode_ != Mode::reserved) std::rethrow_exception(failure_);
+      op_ = StoreOp{.kind = StoreOp::Kind::release, .id = &call_.id, .now = core_.now(), .token = token_};
+      return write(Phase::release);
+    case Phase::complete: return after_complete();
+    case Phase::store: return after_store();
+    case Phase::release: return after_release();
+    case Phase::sleep:
+      unsubscribe();  // a wake may already have dropped us; subscribing again follows a read
+      return read();
+    case Phase::run: break;
+  }
+  throw std::logic_error("idem: Flow::next() while the action runs");
+}
+
+// --- what the store said -----------------------------------------------------------------
+
+Effect Flow::after_read() {
+  const TimePoint t = core_.now();
+  if (loaded_.error) {
+    if (holder_ != 0) {
+      // A look while waiting failed: keep waiting for the holder already seen.
+      bump(core_.counters.store_errors);
+      log(LogLevel::warning, "wait_poll_failed", describe(loaded_.error));
+      if (t >= give_up_) return act(Decision::in_progress, nullptr, t);
+      return sleep(t);
+    }
+    store_error_ = loaded_.error;
+    return act(decide({Found::Kind::store_failed}, call_, core_.options.on_store_failure, t, give_up_),
+               nullptr, t);
+  }
+  if (loaded_.record && loaded_.record->live_at(t)) {
+    Record& r = *loaded_.record;
+    return act(decide({Found::Kind::live, &r}, call_, core_.options.on_store_failure, t, give_up_), &r, t);
+  }
+  return act(decide({Found::Kind::nothing_live}, call_, core_.options.on_store_failure, t, give_up_),
+             nullptr, t);
+}
+
+Effect Flow::after_reserve() {
+  const TimePoint t = core_.now();
+  Reservation& r = op_.reservation;
+  Found found{Found::Kind::owned};
+  Record* existing = nullptr;
+  if (op_.error) {
+    found = Found{Found::Kind::store_failed};
+    store_error_ = op_.error;
+  } else if (r.kind == Reservation::Kind::existing) {
+    existing = &*r.existing;
+    found = Found{Found::Kind::live, existing};
+  }
+  return act(decide(found, call_, core_.options.on_store_failure, t, give_up_), existing, t);
+}
+
+// --- the decision, performed ---------------------------------------------------------------
+
+Effect Flow::act(Decision d, Record* record, TimePoint now) {
+  switch (d) {
+    case Decision::reserve:
+      op_ = StoreOp{.kind = StoreOp::Kind::reserve,
+                    .id = &call_.id,
+                    .fingerprint = &call_.fingerprint,
+                    .now = now,
+                    .lease_until = now + core_.options.lease};
+      return write(Phase::reserve);
+
+    case Decision::run_reserved: {
+      const Reservation& r = op_.reservation;
+      const bool takeover = r.kind == Reservation::Kind::taken_over;
+      token_ = r.token;
+      bump(takeover ? core_.counters.taken_over : core_.counters.reserved);
+      bump(core_.counters.executed);
+      log(takeover ? LogLevel::warning : LogLevel::debug, takeover ? "taken_over" : "reserved",
+          takeover ? "took over a reservation whose lease had expired" : "");
+      unsubscribe();
+      holder_ = 0;
+      core_.inflight.hold(call_.id, token_);
+      holding_ = true;
+      heartbeat_.emplace(core_, call_, token_);
+      return run(Mode::reserved);
+    }
+
+    case Decision::run_unreserved:
+      bump(core_.counters.executed);
+      log(LogLevel::info, "cache_miss", "InFlight::run: no stored result, running without a reservation");
+      return run(Mode::unreserved);
+
+    case Decision::run_unprotected:
+      bump(core_.counters.ran_unprotected);
+      if (!call_.has_key) {
+        log(LogLevel::warning, "ran_unprotected", "request without an idempotency key");
+      } else {
+        bump(core_.counters.store_errors);
+        log(LogLevel::error, "store_unavailable",
+            fmt::format("{}; fail_open: running the action unprotected", describe(store_error_)));
+      }
+      return run(Mode::unprotected);
+
+    case Decision::replay: {
+      bump(core_.counters.replayed);
+      log(LogLevel::debug, "replayed", "", record->token);
+      const TimePoint expires_at = record->expires_at;
+      return answer(core_.response_of(std::move(*record)), Outcome::Source::replayed, expires_at);
+    }
+
+    case Decision::wait:
+      return wait_for(*record, now);
+
+    case Decision::key_reuse:
+      bump(core_.counters.key_reuse);
+      log(LogLevel::info, "key_reuse", "same key, different fingerprint", record->token);
+      throw KeyReuseError(record->fingerprint.hex(), call_.fingerprint.hex());
+
+    case Decision::in_progress: {
+      const TimePoint lease_end = record != nullptr ? record->lease_until : holder_lease_;
+      bump(core_.counters.in_progress_conflicts);
+      log(LogLevel::info, "in_progress",
+          call_.policy == InFlight::raise ? "another request holds the key" : "gave up waiting",
+          record != nullptr ? record->token : holder_);
+      throw InProgressError(lease_end - now);
+    }
+
+    case Decision::store_unavailable: {
+      bump(core_.counters.store_errors);
+      log(LogLevel::error, "store_unavailable", describe(store_error_));
+      std::rethrow_exception(store_error_);
+    }
+  }
+  throw std::logic_error("idem: unknown decision");
+}
+
+Effect Flow::wait_for(const Record& holder, TimePoint now) {
+  if (!std::exchange(waited_, true)) {
+    bump(core_.counters.waited);
+    log(LogLevel::debug, "waiting", "another request holds the key; waiting for its outcome");
+  }
+  holder_lease_ = holder.lease_until;  // a heartbeat may have moved it
+  if (subscribed_ && holder_ == holder.token) return sleep(now);
+  // Subscribe, then look once more: a completion between the read and the subscription
+  // would otherwise go unseen until the next poll or the lease's end.
+  unsubscribe();
+  holder_ = holder.token;
+  if (!waiter_) waiter_ = make_waiter_();
+  holder_local_ = core_.inflight.subscribe(call_.id, holder_, waiter_);
+  subscribed_ = true;
+  return read();
+}
+
+Effect Flow::sleep(TimePoint now) {
+  TimePoint wake = std::min(give_up_, holder_lease_);
+  if (!holder_local_) {  // the holder is in another process: poll with growing backoff
+    wake = std::min(wake, now + poll_);
+    poll_ = std::min(poll_ * 2, core_.options.poll_max);
+  }
+  if (!subscribed_) {  // after a failed look, a wake was lost with the subscription
+    holder_local_ = core_.inflight.subscribe(call_.id, holder_, waiter_);
+    subscribed_ = true;
+  }
+  if (wake <= now) {
+    unsubscribe();
+    return read();
+  }
+  phase_ = Phase::sleep;
+  return Effect{Effect::Kind::sleep, wake};
+}
+
+// --- after the action ----------------------------------------------------------------------
+
+void Flow::ran(Response response) {
+  heartbeat_.reset();
+  response_ = std::move(response);
+  phase_ = Phase::ran;
+}
+
+void Flow::failed(std::exception_ptr error) {
+  heartbeat_.reset();
+  failure_ = std::move(error);
+  phase_ = Phase::failed;
+}
+
+Effect Flow::after_ran() {
+  if (mode_ == Mode::unprotected) return answer(std::move(response_), Outcome::Source::unprotected, {});
+  try {
+    stored_ = core_.stored_form(call_.id, response_);
+  } catch (const std::exception& e) {
+    bump(core_.counters.store_errors);
+    log(LogLevel::error, "complete_failed", fmt::format("payload store: {}", e.what()));
+    done_holding();
+    return answer(std::move(response_), Outcome::Source::executed, {});
+  }
+  const TimePoint t = core_.now();
+  op_ = StoreOp{.id = &call_.id,
+                .fingerprint = &call_.fingerprint,
+                .now = t,
+                .expires_at = t + call_.ttl,
+                .token = token_,
+                .response = &stored_};
+  if (mode_ == Mode::unreserved) {
+    op_.kind = StoreOp::Kind::store_if_absent;
+    return write(Phase::store);
+  }
+  op_.kind = StoreOp::Kind::complete;
+  return write(Phase::complete);
+}
+
+Effect Flow::after_complete() {
+  done_holding();
+  if (op_.error) {
+    // The action ran; its result could not be stored. The key stays reserved until the
+    // lease ends (a derived key downstream keeps the retry single-charge).
+    bump(core_.counters.store_errors);
+    log(LogLevel::error, "complete_failed", describe(op_.error));
+    return answer(std::move(response_), Outcome::Source::executed, {});
+  }
+  if (!op_.applied) {
+    bump(core_.counters.lease_lost);
+    log(LogLevel::error, "lease_lost", "complete refused: the lease was taken over");
+    throw LeaseLostError(token_);
+  }
+  bump(core_.counters.completed);
+  log(LogLevel::debug, "completed", "");
+  return answer(std::move(response_), Outcome::Source::executed, op_.expires_at);
+}
+
+Effect Flow::after_store() {
+  // InFlight::run: stored if nobody had; else answer like the winner (the action ran twice).
+  if (op_.error) {
+    bump(core_.counters.store_errors);
+    log(LogLevel::error, "complete_failed", describe(op_.error));
+    return answer(std::move(response_), Outcome::Source::executed, {});
+  }
+  Reservation& r = op_.reservation;
+  if (r.kind == Reservation::Kind::existing && r.existing->state == State::completed &&
+      r.existing->fingerprint == call_.fingerprint) {
+    log(LogLevel::warning, "store_race_lost",
+        "InFlight::run: another request stored first; answering with its result");
+    const TimePoint expires_at = r.existing->expires_at;
+    return answer(core_.response_of(std::move(*r.existing)), Outcome::Source::executed, expires_at);
+  }
+  if (r.kind != Reservation::Kind::existing) bump(core_.counters.completed);
+  log(LogLevel::debug, "completed", "");
+  return answer(std::move(response_), Outcome::Source::executed, op_.expires_at);
+}
+
+Effect Flow::after_release() {
+  done_holding();
+  if (op_.error) {
+    // The key stays reserved until its lease ends; the action's failure is the answer.
+    bump(core_.counters.store_errors);
+    log(LogLevel::error, "release_failed", describe(op_.error));
+    std::rethrow_exception(failure_);
+  }
+  if (!op_.applied) {
+    bump(core_.counters.lease_lost);
+    log(LogLevel::error, "lease_lost", "release refused: the lease was taken over");
+    throw LeaseLostError(token_);
+  }
+  bump(core_.counters.released);
+  log(LogLevel::info, "released", "the action failed; the key is free for a retry");
+  std::rethrow_exception(failure_);
+}
+
+// --- small steps -----------------------------------------------------------------------------
+
+Effect Flow::read() {
+  loaded_ = Loaded{};
+  phase_ = Phase::read;
+  return Effect{Effect::Kind::read};
+}
+
+Effect Flow::write(Phase phase) {
+  phase_ = phase;
+  return Effect{Effect::Kind::write};
+}
+
+Effect Flow::run(Mode mode) {
+  mode_ = mode;
+  phase_ = Phase::run;
+  return Effect{Effect::Kind::run};
+}
+
+Effect Flow::answer(Response response, Outcome::Source source, TimePoint expires_at) {
+  outcome_ = Outcome{std::move(response), source, expires_at};
+  return Effect{Effect::Kind::answer};
+}
+
+void Flow::unsubscribe() {
+  if (!subscribed_) return;
+  core_.inflight.unsubscribe(call_.id, waiter_);
+  subscribed_ = false;
+}
+
+void Flow::done_holding() {
+  if (!std::exchange(holding_, false)) return;
+  core_.inflight.finished(call_.id, token_);
+}
+
+void Flow::log(LogLevel level, std::string_view event, std::string_view message) const {
+  log(level, event, message, token_ != 0 ? token_ : holder_);
+}
+
+void Flow::log(LogLevel level, std::string_view event, std::string_view message,
+               std::int64_t token) const {
+  core_.log(level, event, call_, token, message);
+}
+
+}  // namespace idem::detail

@@ -1,0 +1,127 @@
+// The life of one call, as a state machine that performs no I/O of its own.
+//
+// A driver (the blocking Coordinator::call, the coroutine async_call, a simulator) asks the
+// flow for the next effect, performs it, reports back, and asks again:
+//
+//   Flow flow(core, request, make_waiter);
+//   for (;;) switch (Effect e = flow.next(); e.kind) {
+//     case read:   flow.loaded(read_record(store, flow.id()));    // the key's record
+//     case write:  group-commit flow.op();                         // results land in the op
+//     case run:    flow.ran(action()) or flow.failed(exception);   // the application's action
+//     case sleep:  wait on the waiter until e.until (or a wake)
+//     case answer: return flow.outcome();
+//   }
+//
+// next() decides with decide() (SPEC §4), keeps the counters and the log, holds the key's
+// in-process bookkeeping (who holds it, who waits on it) and the heartbeat, and throws the
+// errors a call ends with (KeyReuseError, InProgressError, LeaseLostError, StoreError, or
+// the action's own exception).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "decide.hpp"
+#include "heartbeat.hpp"
+#include "idem/coordinator.hpp"
+#include "inflight.hpp"
+
+namespace idem::detail {
+
+class CoordinatorCore;
+
+struct Effect {
+  enum class Kind { read, write, run, sleep, answer };
+  Kind kind;
+  TimePoint until{};  // sleep: wake by then at the latest
+};
+
+// What a read of the key's record gave: the record (or none), or the store's error.
+struct Loaded {
+  std::optional<Record> record;
+  std::exception_ptr error;  // a StoreError
+};
+
+// Reads `id`'s record; never throws (a StoreError goes to Loaded::error).
+Loaded read_record(Store& store, const KeyId& id) noexcept;
+
+// Not thread-safe: one flow belongs to one call, driven by one thread or coroutine at a time.
+class Flow {
+ public:
+  using WaiterFactory = std::function<std::shared_ptr<Waiter>()>;
+
+  // Validates the request (throws InvalidKeyError). `make_waiter` is called at most once,
+  // when the call first has to wait for another request.
+  Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_waiter);
+  ~Flow();
+  Flow(const Flow&) = delete;
+  Flow& operator=(const Flow&) = delete;
+
+  Effect next();
+
+  const KeyId& id() const noexcept { return call_.id; }
+  void loaded(Loaded result) { loaded_ = std::move(result); }
+  StoreOp& op() noexcept { return op_; }
+  void ran(Response response);
+  void failed(std::exception_ptr error);
+  Outcome outcome() { return std::move(outcome_); }
+
+ private:
+  enum class Phase { start, read, reserve, run, ran, failed, complete, store, release, sleep };
+  enum class Mode { reserved, unreserved, unprotected };  // how the action runs
+
+  // Performs decision `d`; `record` is the live record it was made on (nullptr if none),
+  // which a replay moves from.
+  Effect act(Decision d, Record* record, TimePoint now);
+  Effect run(Mode mode);
+  Effect read();
+  Effect write(Phase phase);
+  Effect answer(Response response, Outcome::Source source, TimePoint expires_at);
+  Effect wait_for(const Record& holder, TimePoint now);
+  Effect sleep(TimePoint now);
+  Effect after_read();
+  Effect after_reserve();
+  Effect after_ran();
+  Effect after_complete();
+  Effect after_store();
+  Effect after_release();
+  void unsubscribe();
+  void done_holding();
+  void log(LogLevel level, std::string_view event, std::string_view message) const;
+  void log(LogLevel level, std::string_view event, std::string_view message,
+           std::int64_t token) const;
+
+  CoordinatorCore& core_;
+  Call call_;
+  WaiterFactory make_waiter_;
+  TimePoint give_up_;
+  Phase phase_ = Phase::start;
+  Mode mode_ = Mode::reserved;
+
+  std::int64_t token_ = 0;  // Mode::reserved: this call's fencing token
+  bool holding_ = false;    // the in-flight registry records this call as the key's holder
+  std::optional<Heartbeat> heartbeat_;
+
+  // Waiting for another request (InFlight::wait).
+  std::shared_ptr<Waiter> waiter_;
+  std::int64_t holder_ = 0;  // the token waited on; 0: not waiting
+  TimePoint holder_lease_{};
+  bool subscribed_ = false;   // waiter_ is in the registry for holder_
+  bool holder_local_ = false;  // the holder is in this process: its end wakes us
+  std::chrono::milliseconds poll_;
+  bool waited_ = false;  // counted once per call
+
+  Loaded loaded_;
+  std::exception_ptr store_error_;  // the StoreError a store_failed decision was made on
+  StoreOp op_;
+  StoredResponse stored_;
+  Response response_;
+  std::exception_ptr failure_;
+  Outcome outcome_;
+};
+
+}  // namespace idem::detail

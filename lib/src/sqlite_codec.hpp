@@ -1,0 +1,33 @@
+// How a record maps to the columns of idem_keys: times as epoch milliseconds, the
+// fingerprint as a 32-byte blob, headers as a JSON array of [name, value] pairs, the body
+// as a blob (byte-exact). The statements' parameter numbers are in sql.hpp.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "idem/internal/sqlite.hpp"
+#include "idem/store.hpp"
+
+namespace idem::detail {
+
+inline std::int64_t ms(TimePoint t) { return t.time_since_epoch().count(); }
+inline TimePoint at_ms(std::int64_t v) { return TimePoint(std::chrono::milliseconds(v)); }
+
+// Binds tenant ?1, operation ?2, key ?3.
+void bind_id(sqlite::Statement& s, const KeyId& id);
+void bind_fingerprint(sqlite::Statement& s, int index, const Fingerprint& fp);
+
+// The headers column's text (empty when there are no headers: stored as NULL).
+std::string headers_to_json(const std::vector<Header>& headers);
+
+// Binds status ?first, headers ?first+1, body ?first+2, body_ref ?first+3. The strings
+// bound are owned by `headers_json` and `r`, which must outlive the statement's step.
+void bind_response(sqlite::Statement& s, int first, const StoredResponse& r,
+                   const std::string& headers_json);
+
+// The record on the current row of sql::kLoad (which must have stepped onto a row).
+// Throws StoreError if a column does not decode (a corrupt or foreign row).
+Record read_record(const sqlite::Statement& load);
+
+}  // namespace idem::detail

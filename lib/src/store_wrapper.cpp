@@ -1,0 +1,52 @@
+#include "idem/store_wrapper.hpp"
+
+#include "idem/errors.hpp"
+
+namespace idem {
+
+StoreWrapper::StoreWrapper(std::shared_ptr<Store> target) : target_(std::move(target)) {
+  if (!target_) throw error(errc::invalid_argument, "idem: StoreWrapper needs a store to wrap");
+}
+
+Reservation StoreWrapper::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                                  TimePoint lease_until) {
+  return target_->reserve(id, fingerprint, now, lease_until);
+}
+
+bool StoreWrapper::complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                            TimePoint expires_at) {
+  return target_->complete(id, token, response, expires_at);
+}
+
+bool StoreWrapper::release(const KeyId& id, std::int64_t token, TimePoint now) {
+  return target_->release(id, token, now);
+}
+
+bool StoreWrapper::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
+  return target_->renew(id, token, lease_until);
+}
+
+bool StoreWrapper::set_recovery_point(const KeyId& id, std::int64_t token,
+                                      const std::string& point) {
+  return target_->set_recovery_point(id, token, point);
+}
+
+std::optional<Record> StoreWrapper::load(const KeyId& id) { return target_->load(id); }
+
+std::optional<Record> StoreWrapper::store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                                    const StoredResponse& response, TimePoint now,
+                                                    TimePoint expires_at) {
+  return target_->store_if_absent(id, fingerprint, response, now, expires_at);
+}
+
+void StoreWrapper::apply(std::span<StoreOp* const> ops) { target_->apply(ops); }
+
+std::size_t StoreWrapper::purge_expired(TimePoint now, std::size_t limit) {
+  return target_->purge_expired(now, limit);
+}
+
+std::vector<ReapedRecord> StoreWrapper::reap(TimePoint lease_ended_before, std::size_t limit) {
+  return target_->reap(lease_ended_before, limit);
+}
+
+}  // namespace idem

@@ -1,0 +1,29 @@
+// Every SQL statement of the simulated provider's ledger.
+#pragma once
+
+#include <string_view>
+
+namespace idem::sim::sql {
+
+inline constexpr std::string_view kLedgerSchema = R"sql(
+CREATE TABLE IF NOT EXISTS charges (
+  seq      INTEGER PRIMARY KEY AUTOINCREMENT,
+  order_id TEXT    NOT NULL,
+  amount   INTEGER NOT NULL,
+  idem_key TEXT    NOT NULL,
+  at       INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS charges_by_key ON charges (idem_key);
+)sql";
+
+// ?1 idempotency key: the first charge made with it ('' never matches).
+inline constexpr std::string_view kFindByKey =
+    "SELECT seq FROM charges WHERE idem_key = ?1 AND idem_key <> '' ORDER BY seq LIMIT 1";
+// ?1 order ?2 amount ?3 key ?4 at (epoch ms); the new charge's seq.
+inline constexpr std::string_view kInsert =
+    "INSERT INTO charges (order_id, amount, idem_key, at) VALUES (?1, ?2, ?3, ?4) RETURNING seq";
+inline constexpr std::string_view kCount = "SELECT count(*) FROM charges";
+inline constexpr std::string_view kAll =
+    "SELECT seq, order_id, amount, idem_key, at FROM charges ORDER BY seq";
+
+}  // namespace idem::sim::sql

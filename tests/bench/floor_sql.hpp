@@ -1,0 +1,42 @@
+// Every SQL statement of the benchmark. The floor runs idem's own statements (a ctest entry,
+// "bench: the floor runs idem's own statements", checks they are the same text as
+// lib/src/sql.hpp's), so schema and statement costs cancel out of the ratios.
+#pragma once
+
+#include <string_view>
+
+namespace idem::bench::sql {
+
+inline constexpr std::string_view kBeginImmediate = "BEGIN IMMEDIATE";
+inline constexpr std::string_view kBegin = "BEGIN";
+inline constexpr std::string_view kCommit = "COMMIT";
+inline constexpr std::string_view kSynchronousNormal = "PRAGMA synchronous=NORMAL";
+inline constexpr std::string_view kSynchronousFull = "PRAGMA synchronous=FULL";
+inline constexpr std::string_view kSynchronousOff = "PRAGMA synchronous=OFF";
+inline constexpr std::string_view kBigCache = "PRAGMA cache_size=-262144";
+inline constexpr std::string_view kCheckpointTruncate = "PRAGMA wal_checkpoint(TRUNCATE)";
+
+// idem's reservation, completion and load (lib/src/sql.hpp), verbatim.
+inline constexpr std::string_view kReserve = R"sql(
+INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at)
+VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?6)
+ON CONFLICT (tenant, operation, key) DO NOTHING)sql";
+
+inline constexpr std::string_view kComplete = R"sql(
+UPDATE idem_keys
+SET state = 2, status = ?5, headers = ?6, body = ?7, body_ref = ?8, expires_at = ?9
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+
+inline constexpr std::string_view kLoad = R"sql(
+SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
+       body_ref, recovery_point
+FROM idem_keys WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
+
+// Sizing: completed records written straight into idem's table. ?1 key ?2 fingerprint
+// ?3 expires_at ?4 body.
+inline constexpr std::string_view kBulkInsert = R"sql(
+INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at,
+                       expires_at, status, body)
+VALUES ('alpha', 'payment.charge', ?1, ?2, 2, 1, 0, 0, ?3, 200, ?4))sql";
+
+}  // namespace idem::bench::sql
