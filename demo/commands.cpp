@@ -36,12 +36,14 @@ int run_charge(const ChargeArgs& a) {
     options.lease = lease;
     options.heartbeat = lease / 3;
     // A duplicate waits out a crashed holder's lease before it gives up.
-    options.max_wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(10), lease + std::chrono::seconds(1));
+    options.max_wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(10),
+                                                           lease + std::chrono::seconds(1));
     options.on_store_failure = a.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
     options.clock = clock;
     Coordinator idem(std::make_shared<SqliteStore>(a.db), options);
 
-    const nlohmann::json body = {{"amount", a.amount}, {"currency", a.currency}, {"order_id", a.order_id}};
+    const nlohmann::json body = {
+        {"amount", a.amount}, {"currency", a.currency}, {"order_id", a.order_id}};
     Request req;
     req.tenant = a.tenant;
     req.operation = a.operation;
@@ -55,10 +57,16 @@ int run_charge(const ChargeArgs& a) {
     const Outcome out = idem.call(req, [&] {
       const sim::ChargeResult r = provider.charge(a.order_id, a.amount, downstream);
       if (r.declined) {
-        return Response{402, nlohmann::json{{"status", "declined"}, {"reason", r.reason}}.dump(), {}};
+        return Response{
+            402, nlohmann::json{{"status", "declined"}, {"reason", r.reason}}.dump(), {}};
       }
-      return Response{200, nlohmann::json{{"charge_id", r.charge_id}, {"amount", a.amount},
-                                          {"currency", a.currency}, {"order_id", a.order_id}}.dump(), {}};
+      return Response{200,
+                      nlohmann::json{{"charge_id", r.charge_id},
+                                     {"amount", a.amount},
+                                     {"currency", a.currency},
+                                     {"order_id", a.order_id}}
+                          .dump(),
+                      {}};
     });
     const Response http = to_http(out);
     line["outcome"] = out.source == Outcome::Source::replayed      ? "replayed"
@@ -84,7 +92,9 @@ int run_ledger(const std::string& ledger) {
   sim::Provider provider(clock, {.ledger_path = ledger});
   nlohmann::json charges = nlohmann::json::array();
   for (const sim::Charge& c : provider.charges()) {
-    charges.push_back({{"id", c.id}, {"order_id", c.order_id}, {"amount", c.amount},
+    charges.push_back({{"id", c.id},
+                       {"order_id", c.order_id},
+                       {"amount", c.amount},
                        {"idempotency_key", c.idempotency_key},
                        {"at_ms", c.at.time_since_epoch().count()}});
   }

@@ -13,7 +13,9 @@ int main() {
   idem::Coordinator idem(std::make_shared<idem::SqliteStore>(":memory:"), options);
 
   int charges = 0;  // the side effect that must not repeat
-  const nlohmann::json body = {{"amount", 4990}, {"currency", "RUB"}, {"order_id", "A-10023"},
+  const nlohmann::json body = {{"amount", 4990},
+                               {"currency", "RUB"},
+                               {"order_id", "A-10023"},
                                {"comment", "not significant"}};
   const idem::Request request{
       .tenant = "alpha",
@@ -27,7 +29,8 @@ int main() {
       const std::string provider_key =
           idem::derived_key({request.tenant, request.operation, *request.key}, "charge");
       ++charges;  // gateway.charge(body, provider_key) in a real service
-      return idem::Response{200, nlohmann::json{{"charge", "ch_1"}, {"key", provider_key}}.dump(), {}};
+      return idem::Response{
+          200, nlohmann::json{{"charge", "ch_1"}, {"key", provider_key}}.dump(), {}};
     });
     std::cout << "attempt " << attempt << ": " << out.response.status
               << (out.replayed() ? " (replayed)" : "") << '\n';

@@ -3,8 +3,8 @@
 #include <iostream>
 
 #include "commands.hpp"
-#include "server/server.hpp"
 #include "scenarios.hpp"
+#include "server/server.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"idem-demo: why a result cache charges twice, and how idem charges once"};
@@ -18,21 +18,33 @@ int main(int argc, char** argv) {
 
   idem::demo::ChargeArgs c;
   std::string dedup = "on";
-  CLI::App* charge = app.add_subcommand("charge", "One real-time charge through the coordinator from this process");
+  CLI::App* charge = app.add_subcommand(
+      "charge", "One real-time charge through the coordinator from this process");
   charge->add_option("--db", c.db, "Idempotency key database (SQLite file)")->required();
-  charge->add_option("--ledger", c.ledger, "Provider ledger (SQLite file, shared by processes)")->required();
+  charge->add_option("--ledger", c.ledger, "Provider ledger (SQLite file, shared by processes)")
+      ->required();
   charge->add_option("--key", c.key, "Idempotency key")->required();
   charge->add_option("--tenant", c.tenant, "Tenant")->capture_default_str();
   charge->add_option("--operation", c.operation, "Operation scope")->capture_default_str();
   charge->add_option("--amount", c.amount, "Amount (significant)")->capture_default_str();
   charge->add_option("--currency", c.currency, "Currency (significant)")->capture_default_str();
   charge->add_option("--order-id", c.order_id, "Order id (significant)")->capture_default_str();
-  charge->add_option("--policy", c.policy, "In-flight policy")->check(CLI::IsMember({"wait", "raise", "run"}))->capture_default_str();
-  charge->add_option("--lease-ms", c.lease_ms, "Lease")->check(CLI::PositiveNumber)->capture_default_str();
-  charge->add_option("--provider-latency-ms", c.provider_latency_ms, "Provider latency")->check(CLI::NonNegativeNumber)->capture_default_str();
-  charge->add_option("--provider-dedup", dedup, "Provider deduplicates on the derived key")->check(CLI::IsMember({"on", "off"}))->capture_default_str();
-  charge->add_flag("--fail-closed", c.fail_closed, "Refuse to charge when the store fails (default: fail open)");
-  charge->add_flag("--crash-after-charge", c.crash_after_charge, "Die right after the provider recorded the charge");
+  charge->add_option("--policy", c.policy, "In-flight policy")
+      ->check(CLI::IsMember({"wait", "raise", "run"}))
+      ->capture_default_str();
+  charge->add_option("--lease-ms", c.lease_ms, "Lease")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  charge->add_option("--provider-latency-ms", c.provider_latency_ms, "Provider latency")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  charge->add_option("--provider-dedup", dedup, "Provider deduplicates on the derived key")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  charge->add_flag("--fail-closed", c.fail_closed,
+                   "Refuse to charge when the store fails (default: fail open)");
+  charge->add_flag("--crash-after-charge", c.crash_after_charge,
+                   "Die right after the provider recorded the charge");
 
   std::string ledger;
   CLI::App* ledger_cmd = app.add_subcommand("ledger", "Print the provider's charges as JSON");
@@ -42,15 +54,25 @@ int main(int argc, char** argv) {
   std::string serve_policy = "raise";
   std::string api_keys_file;
   long long serve_latency_ms = 300;
-  CLI::App* serve = app.add_subcommand("serve", "Serve the payments API over HTTP (POST /v1/payments ...)");
-  serve->add_option("--port", serve_options.port, "TCP port (0: any free port)")->capture_default_str();
+  CLI::App* serve =
+      app.add_subcommand("serve", "Serve the payments API over HTTP (POST /v1/payments ...)");
+  serve->add_option("--port", serve_options.port, "TCP port (0: any free port)")
+      ->capture_default_str();
   serve->add_option("--host", serve_options.host, "Address to bind")->capture_default_str();
-  serve->add_option("--db", serve_options.api.db, "Idempotency keys and payments (SQLite file)")->required();
-  serve->add_option("--ledger", serve_options.api.ledger, "Provider ledger (SQLite file; default: in memory)");
-  serve->add_option("--policy", serve_policy, "In-flight policy")->check(CLI::IsMember({"raise", "wait"}))->capture_default_str();
-  serve->add_option("--provider-latency-ms", serve_latency_ms, "Provider latency")->check(CLI::NonNegativeNumber)->capture_default_str();
-  serve->add_flag("--fail-closed", serve_options.api.fail_closed, "Answer 503 instead of charging when the store fails");
-  serve->add_option("--api-keys", api_keys_file, "File of \"api_key tenant\" lines (default: sk_test_alpha, sk_test_beta)");
+  serve->add_option("--db", serve_options.api.db, "Idempotency keys and payments (SQLite file)")
+      ->required();
+  serve->add_option("--ledger", serve_options.api.ledger,
+                    "Provider ledger (SQLite file; default: in memory)");
+  serve->add_option("--policy", serve_policy, "In-flight policy")
+      ->check(CLI::IsMember({"raise", "wait"}))
+      ->capture_default_str();
+  serve->add_option("--provider-latency-ms", serve_latency_ms, "Provider latency")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  serve->add_flag("--fail-closed", serve_options.api.fail_closed,
+                  "Answer 503 instead of charging when the store fails");
+  serve->add_option("--api-keys", api_keys_file,
+                    "File of \"api_key tenant\" lines (default: sk_test_alpha, sk_test_beta)");
 
   CLI11_PARSE(app, argc, argv);
 
@@ -61,9 +83,11 @@ int main(int argc, char** argv) {
     }
     if (ledger_cmd->parsed()) return idem::demo::run_ledger(ledger);
     if (serve->parsed()) {
-      serve_options.api.policy = serve_policy == "wait" ? idem::InFlight::wait : idem::InFlight::raise;
+      serve_options.api.policy =
+          serve_policy == "wait" ? idem::InFlight::wait : idem::InFlight::raise;
       serve_options.api.provider_latency = std::chrono::milliseconds(serve_latency_ms);
-      if (!api_keys_file.empty()) serve_options.api.api_keys = idem::demo::load_api_keys(api_keys_file);
+      if (!api_keys_file.empty())
+        serve_options.api.api_keys = idem::demo::load_api_keys(api_keys_file);
       serve_options.handle_signals = true;
       idem::demo::Server server(serve_options);
       std::cerr << "idem-demo: serving on http://" << serve_options.host << ':' << server.port()

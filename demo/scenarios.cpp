@@ -12,9 +12,9 @@
 
 #include "idem/asio.hpp"
 #include "idem/http.hpp"
+#include "idem/sim/async_provider.hpp"
 #include "idem/sim/driver.hpp"
 #include "idem/sim/faulty_store.hpp"
-#include "idem/sim/async_provider.hpp"
 #include "idem/sqlite_store.hpp"
 
 namespace idem::demo {
@@ -43,14 +43,18 @@ struct Scenario {
         start(clock->now()),
         store(std::make_shared<sim::FaultyStore>(std::make_shared<SqliteStore>(":memory:"))) {
     // The provider does not deduplicate here: the table shows what idem alone prevents.
-    provider = std::make_shared<sim::Provider>(clock, sim::ProviderOptions{.latency = kLatency, .dedup = false});
+    provider = std::make_shared<sim::Provider>(
+        clock, sim::ProviderOptions{.latency = kLatency, .dedup = false});
     options.clock = clock;
     if (run.timeline != nullptr) {
       options.log = [this](const LogEvent& e) {
-        run.timeline->add(ms(e.at), "idem", fmt::format("{} key {}{}{}", e.event, e.key_hash,
-                                                         e.message.empty() ? "" : ": ", e.message));
+        run.timeline->add(ms(e.at), "idem",
+                          fmt::format("{} key {}{}{}", e.event, e.key_hash,
+                                      e.message.empty() ? "" : ": ", e.message));
       };
-      provider->on_event([this](TimePoint at, const std::string& line) { run.timeline->add(ms(at), "bank", line); });
+      provider->on_event([this](TimePoint at, const std::string& line) {
+        run.timeline->add(ms(at), "bank", line);
+      });
     }
     idem = std::make_unique<Coordinator>(store, std::move(options));
   }
@@ -151,7 +155,8 @@ std::vector<std::string> Timeline::lines() const {
   std::stable_sort(sorted.begin(), sorted.end(),
                    [](const Event& a, const Event& b) { return a.at_ms < b.at_ms; });
   std::vector<std::string> out;
-  for (const Event& e : sorted) out.push_back(fmt::format("    t={:>4} ms  {:<6} {}", e.at_ms, e.who, e.what));
+  for (const Event& e : sorted)
+    out.push_back(fmt::format("    t={:>4} ms  {:<6} {}", e.at_ms, e.who, e.what));
   return out;
 }
 
@@ -248,8 +253,10 @@ std::string render_table(bool real_time, bool with_timeline) {
   {
     Timeline t;
     const KeyReuse k = key_reuse({real_time, &t});
-    put(fmt::format("{:<25} -> {}, charges made={}", "same key, same amount", k.same_amount, k.charges_after_same));
-    put(fmt::format("{:<25} -> {}, charges made={}", "same key, amount 5", k.other_amount, k.charges_after_other));
+    put(fmt::format("{:<25} -> {}, charges made={}", "same key, same amount", k.same_amount,
+                    k.charges_after_same));
+    put(fmt::format("{:<25} -> {}, charges made={}", "same key, amount 5", k.other_amount,
+                    k.charges_after_other));
     timeline_of(t);
   }
 
@@ -268,15 +275,17 @@ std::string render_table(bool real_time, bool with_timeline) {
   {
     Timeline t;
     const StoreUnreachable open = store_unreachable(FailureMode::fail_open, {real_time, &t});
-    put(fmt::format("fail_open:   store unreachable -> the action ran anyway: {}, charges made={}  "
+    put(
+        fmt::format("fail_open:   store unreachable -> the action ran anyway: {}, charges made={}  "
                     "(availability over exactly-once, by design)",
                     open.outcome, open.charges));
     timeline_of(t);
     Timeline t2;
     const StoreUnreachable closed = store_unreachable(FailureMode::fail_closed, {real_time, &t2});
-    put(fmt::format("fail_closed: store unreachable -> {}, the action did not run: charges made={}  "
-                    "(exactly-once over availability)",
-                    closed.outcome, closed.charges));
+    put(fmt::format(
+        "fail_closed: store unreachable -> {}, the action did not run: charges made={}  "
+        "(exactly-once over availability)",
+        closed.outcome, closed.charges));
     timeline_of(t2);
   }
 
@@ -287,7 +296,8 @@ std::string render_table(bool real_time, bool with_timeline) {
     const HttpView v = http_view(policy, {real_time, &t});
     const auto n200 = std::count(v.statuses.begin(), v.statuses.end(), 200);
     const auto n409 = std::count(v.statuses.begin(), v.statuses.end(), 409);
-    put(fmt::format("in_flight={:<8} -> {}, charges made={}", fmt::format("'{}'", to_string(policy)),
+    put(fmt::format("in_flight={:<8} -> {}, charges made={}",
+                    fmt::format("'{}'", to_string(policy)),
                     n409 > 0 ? fmt::format("{} x 200, {} x 409", n200, n409)
                              : fmt::format("{} x 200, all {}", n200, fmt::join(v.charge_ids, ", ")),
                     v.charges));

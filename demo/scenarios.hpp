@@ -29,8 +29,8 @@ class Timeline {
 };
 
 struct RunOptions {
-  bool real_time = false;          // real 300 ms timers instead of the simulated clock
-  Timeline* timeline = nullptr;    // where to record events, if anywhere
+  bool real_time = false;        // real 300 ms timers instead of the simulated clock
+  Timeline* timeline = nullptr;  // where to record events, if anywhere
 };
 
 // Request 1 at t=0, an identical duplicate at t=50 ms, provider latency 300 ms.
@@ -42,9 +42,9 @@ InFlightRow in_flight_row(InFlight policy, const RunOptions& run = {});
 
 // The same key sent again with the same amount, then with amount 5.
 struct KeyReuse {
-  std::string same_amount;      // "replayed ch_1"
+  std::string same_amount;  // "replayed ch_1"
   std::size_t charges_after_same = 0;
-  std::string other_amount;     // "IdempotencyKeyReuseError"
+  std::string other_amount;  // "IdempotencyKeyReuseError"
   std::size_t charges_after_other = 0;
 };
 KeyReuse key_reuse(const RunOptions& run = {});
@@ -66,8 +66,8 @@ StoreUnreachable store_unreachable(FailureMode mode, const RunOptions& run = {})
 
 // Twenty identical requests with one key at once, answered as HTTP.
 struct HttpView {
-  std::vector<int> statuses;             // sorted
-  std::vector<std::string> charge_ids;   // distinct charge ids among the 200s
+  std::vector<int> statuses;            // sorted
+  std::vector<std::string> charge_ids;  // distinct charge ids among the 200s
   std::size_t charges = 0;
 };
 HttpView http_view(InFlight policy, const RunOptions& run = {});

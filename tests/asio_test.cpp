@@ -37,7 +37,8 @@ net::awaitable<void> client(World& w, idem::Coordinator& idem, idem::Request req
   co_await idem::async_sleep_until(*w.clock, idem::sim::kSimulationStart + at);
   if (!action) {
     action = [&w]() -> net::awaitable<Response> {
-      const idem::sim::ChargeResult r = co_await idem::sim::async_charge(*w.provider, "A-10023", 4990, "");
+      const idem::sim::ChargeResult r =
+          co_await idem::sim::async_charge(*w.provider, "A-10023", 4990, "");
       co_return Response{200, r.charge_id, {}};
     };
   }
@@ -117,14 +118,16 @@ TEST_CASE("asio: when the first fails, the waiting duplicate reserves and runs")
   CHECK(w.provider->charge_count() == 1);
 }
 
-TEST_CASE("asio: a waiter takes over when the holder's lease expires; the stalled holder is fenced") {
+TEST_CASE(
+    "asio: a waiter takes over when the holder's lease expires; the stalled holder is fenced") {
   World w({.in_flight = InFlight::wait, .lease = 1s, .heartbeat = 0ms});
   net::io_context io;
   Reply stalled, waiter;
   spawn(io, client(w, *w.idem, request("k1"), 0ms, stalled, [&w]() -> net::awaitable<Response> {
-    co_await idem::async_sleep_until(*w.clock, w.clock->now() + 5s);  // stuck, charges nothing
-    co_return Response{200, "late", {}};
-  }));
+          co_await idem::async_sleep_until(*w.clock,
+                                           w.clock->now() + 5s);  // stuck, charges nothing
+          co_return Response{200, "late", {}};
+        }));
   spawn(io, client(w, *w.idem, request("k1"), 50ms, waiter));
   idem::sim::run(io, *w.clock);
   CHECK(waiter.text == "ch_1");
@@ -187,13 +190,16 @@ TEST_CASE("asio: an unreachable store fails open (the action runs) or closed (it
   }
 }
 
-TEST_CASE("asio: group commit: one turn's fresh, replayed and duplicate keys share transactions, each correct") {
+TEST_CASE(
+    "asio: group commit: one turn's fresh, replayed and duplicate keys share transactions, each "
+    "correct") {
   // 30 keys already completed, 30 fresh keys each sent twice in the same turn: 90 coroutines.
   World w({.in_flight = InFlight::wait});
   net::io_context warm;  // completes the 30 "done" keys first
   std::vector<Reply> warmups(30);
   for (int i = 0; i < 30; ++i) {
-    spawn(warm, client(w, *w.idem, request("done" + std::to_string(i)), 0ms, warmups[static_cast<std::size_t>(i)]));
+    spawn(warm, client(w, *w.idem, request("done" + std::to_string(i)), 0ms,
+                       warmups[static_cast<std::size_t>(i)]));
   }
   idem::sim::run(warm, *w.clock);
   const std::size_t charges_before = w.provider->charge_count();
@@ -220,6 +226,6 @@ TEST_CASE("asio: group commit: one turn's fresh, replayed and duplicate keys sha
   const auto stats = w.store->commit_stats();
   const auto transactions = stats.transactions - stats_before.transactions;
   const auto ops = stats.ops - stats_before.ops;
-  CHECK(ops >= 60);                 // 30 reservations that won, 30 completions, and the losers' tries
+  CHECK(ops >= 60);  // 30 reservations that won, 30 completions, and the losers' tries
   CHECK(transactions * 10 <= ops);  // committed together, not one by one
 }

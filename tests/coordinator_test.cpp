@@ -71,7 +71,8 @@ TEST_CASE("coordinator: an exception from the action releases the key; the retry
   CHECK(w.idem->metrics().released == 1);
 }
 
-TEST_CASE("coordinator: the same key with another fingerprint is KeyReuse, with both fingerprints") {
+TEST_CASE(
+    "coordinator: the same key with another fingerprint is KeyReuse, with both fingerprints") {
   World w = blocking_world();
   const Outcome first = w.idem->call(request("k1", 4990), w.charge_action());
   try {
@@ -124,13 +125,23 @@ TEST_CASE("coordinator: one key under two operations makes two independent recor
 
 TEST_CASE("coordinator: bad keys are rejected before the store is touched") {
   World w = blocking_world();
-  const std::vector<std::string> bad = {"", std::string(256, 'k'), "tab\there", "nul" + std::string(1, '\0'),
-                                        "caf\xc3\xa9", "del\x7f"};
+  const std::vector<std::string> bad = {
+      "",       std::string(256, 'k'), "tab\there", "nul" + std::string(1, '\0'), "caf\xc3\xa9",
+      "del\x7f"};
   int ran = 0;
   for (const std::string& key : bad) {
-    CHECK_THROWS_AS(w.idem->call(request(key), [&] { ++ran; return Response{}; }), idem::InvalidKeyError);
+    CHECK_THROWS_AS(w.idem->call(request(key),
+                                 [&] {
+                                   ++ran;
+                                   return Response{};
+                                 }),
+                    idem::InvalidKeyError);
   }
-  CHECK_THROWS_WITH_AS(w.idem->call(request("k1", 1, ""), [&] { ++ran; return Response{}; }),
+  CHECK_THROWS_WITH_AS(w.idem->call(request("k1", 1, ""),
+                                    [&] {
+                                      ++ran;
+                                      return Response{};
+                                    }),
                        "idempotency tenant is empty", idem::InvalidKeyError);
   CHECK(ran == 0);
   idem::test::RawDb raw(w.db_path);
@@ -183,7 +194,8 @@ TEST_CASE("coordinator: a completed record lives for its TTL, then the key is ne
   w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action());
   w.clock->advance(2min);  // the cancel's TTL is over; the charge's is not
   CHECK(w.idem->call(request("k1"), w.charge_action()).replayed());
-  CHECK_FALSE(w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action()).replayed());
+  CHECK_FALSE(
+      w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action()).replayed());
   CHECK(w.charges() == 3);
   w.clock->advance(1h);
   // After the TTL, even another fingerprint is simply a new request.
@@ -205,9 +217,10 @@ TEST_CASE("coordinator: purge deletes expired records in batches and counts them
 
 TEST_CASE("coordinator: the reaper reports and clears reservations whose lease is long gone") {
   std::vector<std::string> events;
-  World w = blocking_world({.reap_after = 5min, .log = [&](const idem::LogEvent& e) {
-                              events.push_back(std::string(e.event) + " " + std::string(e.key_hash));
-                            }});
+  World w =
+      blocking_world({.reap_after = 5min, .log = [&](const idem::LogEvent& e) {
+                        events.push_back(std::string(e.event) + " " + std::string(e.key_hash));
+                      }});
   // A worker reserved and died: nothing completes or releases the key.
   w.store->reserve({"alpha", "payment.charge", "dead"}, request("dead").fingerprint, w.clock->now(),
                    w.clock->now() + 30s);
@@ -220,7 +233,8 @@ TEST_CASE("coordinator: the reaper reports and clears reservations whose lease i
   CHECK(events.back() == "reaped " + idem::short_hash({"alpha", "payment.charge", "dead"}));
 }
 
-TEST_CASE("coordinator: under raise a duplicate during the first gets InProgress with Retry-After") {
+TEST_CASE(
+    "coordinator: under raise a duplicate during the first gets InProgress with Retry-After") {
   World w = blocking_world({.in_flight = InFlight::raise});
   w.idem->call(request("k1"), [&] {
     w.clock->advance(50ms);
@@ -237,13 +251,16 @@ TEST_CASE("coordinator: under raise a duplicate during the first gets InProgress
   CHECK(w.idem->metrics().in_progress_conflicts == 1);
 }
 
-TEST_CASE("coordinator: a zombie whose lease was taken over gets LeaseLost; the new owner's result stands") {
+TEST_CASE(
+    "coordinator: a zombie whose lease was taken over gets LeaseLost; the new owner's result "
+    "stands") {
   World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
   std::string new_owner;
   try {
     w.idem->call(request("k1"), [&] {
       w.clock->advance(31s);  // the first worker stalls past its lease...
-      new_owner = charge_id(w.idem->call(request("k1"), w.charge_action()));  // ...a retry takes over
+      new_owner =
+          charge_id(w.idem->call(request("k1"), w.charge_action()));  // ...a retry takes over
       return w.charge_action(0ms)();  // the zombie charges and tries to complete
     });
     FAIL("zombie completed");
@@ -262,11 +279,13 @@ TEST_CASE("coordinator: a zombie whose lease was taken over gets LeaseLost; the 
 
 TEST_CASE("coordinator: a zombie cannot release the new owner's reservation either") {
   World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
-  CHECK_THROWS_AS(w.idem->call(request("k1"), [&]() -> Response {
-    w.clock->advance(31s);
-    w.idem->call(request("k1"), w.charge_action());
-    throw std::runtime_error("zombie fails");
-  }), std::runtime_error);
+  CHECK_THROWS_AS(w.idem->call(request("k1"),
+                               [&]() -> Response {
+                                 w.clock->advance(31s);
+                                 w.idem->call(request("k1"), w.charge_action());
+                                 throw std::runtime_error("zombie fails");
+                               }),
+                  std::runtime_error);
   CHECK(w.idem->metrics().lease_lost == 1);
   CHECK(w.store->load({"alpha", "payment.charge", "k1"})->state == idem::State::completed);
   CHECK(w.idem->call(request("k1"), w.charge_action()).replayed());
@@ -287,11 +306,13 @@ TEST_CASE("coordinator: heartbeats keep a slow honest action from being taken ov
   }
   SUBCASE("without heartbeat: the same duplicate takes over and charges again") {
     World w = blocking_world({.in_flight = InFlight::raise, .lease = 1s, .heartbeat = 0ms});
-    CHECK_THROWS_AS(w.idem->call(request("k1"), [&] {
-      w.clock->advance(2s);
-      w.idem->call(request("k1"), w.charge_action());
-      return w.charge_action(1s)();
-    }), idem::LeaseLostError);
+    CHECK_THROWS_AS(w.idem->call(request("k1"),
+                                 [&] {
+                                   w.clock->advance(2s);
+                                   w.idem->call(request("k1"), w.charge_action());
+                                   return w.charge_action(1s)();
+                                 }),
+                    idem::LeaseLostError);
     CHECK(w.charges() == 2);
   }
 }
@@ -326,7 +347,8 @@ TEST_CASE("coordinator: a locked database (past busy_timeout) fails open or clos
 TEST_CASE("coordinator: an unwritable store fails open or closed as configured") {
   World open_world = blocking_world();
   open_world.faulty->fail(idem::sim::Operation::reserve);
-  CHECK(open_world.idem->call(request("k1"), open_world.charge_action()).source == Outcome::Source::unprotected);
+  CHECK(open_world.idem->call(request("k1"), open_world.charge_action()).source ==
+        Outcome::Source::unprotected);
   CHECK(open_world.charges() == 1);
   World closed = blocking_world({.on_store_failure = idem::FailureMode::fail_closed});
   closed.faulty->fail(idem::sim::Operation::reserve);
@@ -334,7 +356,9 @@ TEST_CASE("coordinator: an unwritable store fails open or closed as configured")
   CHECK(closed.charges() == 0);
 }
 
-TEST_CASE("coordinator: a store failure after the action keeps the key reserved; a derived key keeps the retry single-charge") {
+TEST_CASE(
+    "coordinator: a store failure after the action keeps the key reserved; a derived key keeps the "
+    "retry single-charge") {
   World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
   const std::string downstream = idem::derived_key({"alpha", "payment.charge", "k1"}, "charge");
   w.faulty->fail(idem::sim::Operation::complete);
@@ -387,26 +411,34 @@ TEST_CASE("coordinator: InFlight::run replays sequential duplicates like a cache
 TEST_CASE("coordinator: log events carry a short hash, never the key") {
   std::vector<std::string> lines;
   std::mutex mutex;
-  World w = blocking_world({.in_flight = InFlight::raise, .lease = 1s, .heartbeat = 0ms,
-                            .log = [&](const idem::LogEvent& e) {
-                              std::lock_guard lock(mutex);
-                              lines.push_back(fmt::format("{} {} {} {}", e.event, e.key_hash,
-                                                          e.operation, e.message));
-                            }});
+  World w = blocking_world(
+      {.in_flight = InFlight::raise,
+       .lease = 1s,
+       .heartbeat = 0ms,
+       .log = [&](const idem::LogEvent& e) {
+         std::lock_guard lock(mutex);
+         lines.push_back(fmt::format("{} {} {} {}", e.event, e.key_hash, e.operation, e.message));
+       }});
   const std::string secret = "cust-42-jane.doe@example.com";
   w.provider->inject(idem::sim::Fault::timeout);
-  CHECK_THROWS(w.idem->call(request(secret), w.charge_action()));     // released
-  CHECK_THROWS_AS(w.idem->call(request(secret), [&] {                 // reserved
-    CHECK_THROWS(w.idem->call(request(secret), w.charge_action()));   // in_progress
-    CHECK_THROWS(w.idem->call(request(secret, 5), w.charge_action()));  // key_reuse
-    w.clock->advance(2s);
-    w.idem->call(request(secret), w.charge_action());                  // taken_over
-    return w.charge_action()();
-  }), idem::LeaseLostError);                                           // lease_lost
+  CHECK_THROWS(w.idem->call(request(secret), w.charge_action()));  // released
+  CHECK_THROWS_AS(
+      w.idem->call(request(secret),
+                   [&] {                                                              // reserved
+                     CHECK_THROWS(w.idem->call(request(secret), w.charge_action()));  // in_progress
+                     CHECK_THROWS(
+                         w.idem->call(request(secret, 5), w.charge_action()));  // key_reuse
+                     w.clock->advance(2s);
+                     w.idem->call(request(secret), w.charge_action());  // taken_over
+                     return w.charge_action()();
+                   }),
+      idem::LeaseLostError);  // lease_lost
   REQUIRE(lines.size() >= 5);
   for (const std::string& line : lines) {
     CHECK_MESSAGE(line.find(secret) == std::string::npos, line);
-    CHECK_MESSAGE(line.find(idem::short_hash({"alpha", "payment.charge", secret})) != std::string::npos, line);
+    CHECK_MESSAGE(
+        line.find(idem::short_hash({"alpha", "payment.charge", secret})) != std::string::npos,
+        line);
   }
 }
 
@@ -454,7 +486,10 @@ TEST_CASE("coordinator: bodies over the inline limit are stored by reference and
   World w = blocking_world({.inline_body_limit = 16, .payload_store = payloads});
   const std::string big(1000, 'x');
   int ran = 0;
-  auto action = [&] { ++ran; return Response{200, big, {}}; };
+  auto action = [&] {
+    ++ran;
+    return Response{200, big, {}};
+  };
   w.idem->call(request("k1"), action);
   const auto rec = w.store->load({"alpha", "payment.charge", "k1"});
   CHECK(rec->response.body.empty());
@@ -468,15 +503,27 @@ TEST_CASE("coordinator: bodies over the inline limit are stored by reference and
 TEST_CASE("coordinator: typed results round-trip through JSON, including null and void") {
   World w = blocking_world();
   int ran = 0;
-  const auto first = idem::call<Charge>(*w.idem, request("t1"), [&] { ++ran; return Charge{"ch_1", 4990}; });
-  const auto again = idem::call<Charge>(*w.idem, request("t1"), [&] { ++ran; return Charge{"ch_9", 1}; });
+  const auto first = idem::call<Charge>(*w.idem, request("t1"), [&] {
+    ++ran;
+    return Charge{"ch_1", 4990};
+  });
+  const auto again = idem::call<Charge>(*w.idem, request("t1"), [&] {
+    ++ran;
+    return Charge{"ch_9", 1};
+  });
   CHECK(again.replayed());
   CHECK(again.value.id == "ch_1");
   CHECK(again.value.amount == 4990);
   CHECK_FALSE(first.replayed());
 
-  const auto none = idem::call<std::optional<int>>(*w.idem, request("t2"), [&] { ++ran; return std::optional<int>{}; });
-  const auto none_again = idem::call<std::optional<int>>(*w.idem, request("t2"), [&] { ++ran; return std::optional<int>{7}; });
+  const auto none = idem::call<std::optional<int>>(*w.idem, request("t2"), [&] {
+    ++ran;
+    return std::optional<int>{};
+  });
+  const auto none_again = idem::call<std::optional<int>>(*w.idem, request("t2"), [&] {
+    ++ran;
+    return std::optional<int>{7};
+  });
   CHECK_FALSE(none.value.has_value());
   CHECK(none_again.replayed());
   CHECK_FALSE(none_again.value.has_value());

@@ -59,7 +59,8 @@ long long ledger_count(const idem::test::TempDir& dir, const std::string& ledger
 
 }  // namespace
 
-TEST_CASE("demo charge: eight processes with one key print one charge id; the ledger has one charge") {
+TEST_CASE(
+    "demo charge: eight processes with one key print one charge id; the ledger has one charge") {
   idem::test::TempDir dir;
   const std::string db = dir.file("keys.db"), ledger = dir.file("ledger.db");
   std::vector<Run> runs;
@@ -80,19 +81,24 @@ TEST_CASE("demo charge: eight processes with one key print one charge id; the le
   CHECK(ledger_count(dir, ledger) == 1);  // provider dedup off: one charge is idem's doing
 }
 
-TEST_CASE("demo charge: a crash after the charge, then a retry past the lease: provider dedup decides") {
+TEST_CASE(
+    "demo charge: a crash after the charge, then a retry past the lease: provider dedup decides") {
   for (const std::string dedup : {"on", "off"}) {
     CAPTURE(dedup);
     idem::test::TempDir dir;
     const std::string db = dir.file("keys.db"), ledger = dir.file("ledger.db");
-    const std::vector<std::string> common = {"charge", "--db", db, "--ledger", ledger, "--key", "k-crash",
-                                             "--lease-ms", "300", "--provider-latency-ms", "20",
-                                             "--provider-dedup", dedup};
+    const std::vector<std::string> common = {"charge",  "--db",
+                                             db,        "--ledger",
+                                             ledger,    "--key",
+                                             "k-crash", "--lease-ms",
+                                             "300",     "--provider-latency-ms",
+                                             "20",      "--provider-dedup",
+                                             dedup};
     std::vector<std::string> crash = common;
     crash.push_back("--crash-after-charge");
     nlohmann::json line;
     CHECK(finish(start(dir, "crash", crash), line) == 70);  // died after the charge was made
-    CHECK(line.is_null());                                   // ...before answering
+    CHECK(line.is_null());                                  // ...before answering
     CHECK(ledger_count(dir, ledger) == 1);
     // The retry finds the key reserved by the dead process, waits out its lease, takes over
     // and runs again, passing the same derived key to the provider.
@@ -112,7 +118,9 @@ TEST_CASE("demo charge: bad input is refused with a clear error and nothing is s
   idem::test::TempDir dir;
   const std::string db = dir.file("keys.db"), ledger = dir.file("ledger.db");
   nlohmann::json line;
-  CHECK(finish(start(dir, "bad", {"charge", "--db", db, "--ledger", ledger, "--key", std::string(256, 'k')}), line) == 1);
+  CHECK(finish(start(dir, "bad",
+                     {"charge", "--db", db, "--ledger", ledger, "--key", std::string(256, 'k')}),
+               line) == 1);
   CHECK(line.at("outcome") == "invalid_key");
   CHECK(line.at("error") == "idempotency key is longer than 255 bytes (256 bytes)");
   CHECK(ledger_count(dir, ledger) == 0);

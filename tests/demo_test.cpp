@@ -71,12 +71,18 @@ TEST_CASE("demo: HTTP view, 20 requests with one key: wait gives twenty 200 with
 
 TEST_CASE("demo: the table holds the article's three lines byte for byte, identically every run") {
   const std::string table = demo::render_table(false, false);
-  CHECK(table.find("in_flight='run'    (a result cache)         responses=['ch_1', 'ch_1']                     charges made=['ch_1', 'ch_2']\n") != std::string::npos);
-  CHECK(table.find("in_flight='wait'   (the default)            responses=['ch_1', 'ch_1']                     charges made=['ch_1']\n") != std::string::npos);
-  CHECK(table.find("in_flight='raise'  (409 for the second)     responses=['ch_1', 'IdempotencyInProgressError'] charges made=['ch_1']\n") != std::string::npos);
-  CHECK(table.find("same key, same amount     -> replayed ch_1, charges made=1\n") != std::string::npos);
-  CHECK(table.find("same key, amount 5        -> IdempotencyKeyReuseError, charges made=1\n") != std::string::npos);
-  CHECK(table.find("first call  -> provider timed out\nsecond call -> ch_1, charges made=1\n") != std::string::npos);
+  CHECK(table.find("in_flight='run'    (a result cache)         responses=['ch_1', 'ch_1']         "
+                   "            charges made=['ch_1', 'ch_2']\n") != std::string::npos);
+  CHECK(table.find("in_flight='wait'   (the default)            responses=['ch_1', 'ch_1']         "
+                   "            charges made=['ch_1']\n") != std::string::npos);
+  CHECK(table.find("in_flight='raise'  (409 for the second)     responses=['ch_1', "
+                   "'IdempotencyInProgressError'] charges made=['ch_1']\n") != std::string::npos);
+  CHECK(table.find("same key, same amount     -> replayed ch_1, charges made=1\n") !=
+        std::string::npos);
+  CHECK(table.find("same key, amount 5        -> IdempotencyKeyReuseError, charges made=1\n") !=
+        std::string::npos);
+  CHECK(table.find("first call  -> provider timed out\nsecond call -> ch_1, charges made=1\n") !=
+        std::string::npos);
   for (int i = 0; i < 20; ++i) REQUIRE(demo::render_table(false, false) == table);
   CHECK(demo::render_table(false, true) == demo::render_table(false, true));  // timelines too
 }

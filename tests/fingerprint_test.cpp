@@ -21,7 +21,8 @@ TEST_CASE("fingerprint: pinned test vectors") {
 
 TEST_CASE("fingerprint: field order and whitespace do not matter") {
   const auto a = idem::Fingerprint::of(json::parse(R"({"amount":4990,"currency":"RUB"})"));
-  const auto b = idem::Fingerprint::of(json::parse("{ \"currency\" : \"RUB\",\n\t\"amount\" : 4990 }"));
+  const auto b =
+      idem::Fingerprint::of(json::parse("{ \"currency\" : \"RUB\",\n\t\"amount\" : 4990 }"));
   CHECK(a == b);
 }
 
@@ -31,7 +32,9 @@ TEST_CASE("fingerprint: only the named significant fields count") {
   const json retry = json::parse(
       R"({"trace_id":"t2","comment":"retry","order_id":"A-1","currency":"RUB","amount":4990})");
   const json other = json::parse(R"({"amount":5,"currency":"RUB","order_id":"A-1"})");
-  auto fp = [](const json& j) { return idem::Fingerprint::of(j, {"amount", "currency", "order_id"}); };
+  auto fp = [](const json& j) {
+    return idem::Fingerprint::of(j, {"amount", "currency", "order_id"});
+  };
   CHECK(fp(first) == fp(retry));
   CHECK(fp(first) != fp(other));
   CHECK(fp(first).hex() == "15b962f88cc8b64b9454746eeecd18c4a939996a67420574c67d8099a660fe13");

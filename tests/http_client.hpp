@@ -41,7 +41,8 @@ class HttpClient {
 
   // Writes a request without reading the answer (for many clients in parallel).
   void write_only(const std::string& method, const std::string& target,
-                  const std::vector<std::pair<std::string, std::string>>& headers, const std::string& body) {
+                  const std::vector<std::pair<std::string, std::string>>& headers,
+                  const std::string& body) {
     http::request<http::string_body> req{http::string_to_verb(method), target, 11};
     req.set(http::field::host, "127.0.0.1");
     for (const auto& [name, value] : headers) req.set(name, value);
@@ -76,7 +77,9 @@ inline std::string raw_exchange(unsigned short port, const std::string& bytes, b
   net::io_context io;
   net::ip::tcp::socket s(io);
   s.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
-  struct timeval tv{5, 0};
+  struct timeval tv {
+    5, 0
+  };
   ::setsockopt(s.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   beast::error_code ec;
   net::write(s, net::buffer(bytes), ec);

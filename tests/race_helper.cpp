@@ -24,9 +24,9 @@ int main(int argc, char** argv) {
   idem::sim::Provider provider(clock, {.latency = std::chrono::milliseconds(std::stoi(argv[5])),
                                        .dedup = false,
                                        .ledger_path = argv[2]});
-  idem::Coordinator idem(std::make_shared<idem::SqliteStore>(argv[1]),
-                         {.in_flight = idem::InFlight::wait, .max_wait = std::chrono::seconds(20),
-                          .clock = clock});
+  idem::Coordinator idem(
+      std::make_shared<idem::SqliteStore>(argv[1]),
+      {.in_flight = idem::InFlight::wait, .max_wait = std::chrono::seconds(20), .clock = clock});
   idem::Request req;
   req.tenant = "alpha";
   req.operation = "payment.charge";

@@ -58,18 +58,24 @@ TEST_CASE("race: 50 coroutines on one io_context (4 threads), one key, 100 round
     std::vector<std::string> answers;
     std::atomic<int> executed{0};
     for (int i = 0; i < 50; ++i) {
-      net::co_spawn(io, [&]() -> net::awaitable<void> {
-        // Named locals, not temporaries, in a co_await expression (g++ 12).
-        idem::Request req = request("k");
-        idem::AsyncAction action = [&]() -> net::awaitable<idem::Response> {
-          const auto r = co_await idem::sim::async_charge(*w.provider, "A-1", 4990, "");
-          co_return idem::Response{200, r.charge_id, {}};
-        };
-        const idem::Outcome o = co_await idem::async_call(*w.idem, std::move(req), std::move(action));
-        if (o.source == idem::Outcome::Source::executed) ++executed;
-        std::lock_guard lock(mutex);
-        answers.push_back(o.response.body);
-      }, [](std::exception_ptr e) { if (e) std::rethrow_exception(e); });
+      net::co_spawn(
+          io,
+          [&]() -> net::awaitable<void> {
+            // Named locals, not temporaries, in a co_await expression (g++ 12).
+            idem::Request req = request("k");
+            idem::AsyncAction action = [&]() -> net::awaitable<idem::Response> {
+              const auto r = co_await idem::sim::async_charge(*w.provider, "A-1", 4990, "");
+              co_return idem::Response{200, r.charge_id, {}};
+            };
+            const idem::Outcome o =
+                co_await idem::async_call(*w.idem, std::move(req), std::move(action));
+            if (o.source == idem::Outcome::Source::executed) ++executed;
+            std::lock_guard lock(mutex);
+            answers.push_back(o.response.body);
+          },
+          [](std::exception_ptr e) {
+            if (e) std::rethrow_exception(e);
+          });
     }
     std::vector<std::thread> runners;
     for (int t = 0; t < 4; ++t) runners.emplace_back([&] { io.run(); });
@@ -128,7 +134,8 @@ TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
       outputs.push_back(dir.file(fmt::format("out-{}-{}.json", round, p)));
       posix_spawn_file_actions_t actions;
       posix_spawn_file_actions_init(&actions);
-      posix_spawn_file_actions_addopen(&actions, 1, outputs.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      posix_spawn_file_actions_addopen(&actions, 1, outputs.back().c_str(),
+                                       O_WRONLY | O_CREAT | O_TRUNC, 0644);
       posix_spawn_file_actions_addclose(&actions, gate[1]);
       const std::string fd = std::to_string(gate[0]);
       std::vector<std::string> args = {helper, db, ledger, key, fd, "20"};

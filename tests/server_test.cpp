@@ -51,18 +51,23 @@ idem::demo::ServerOptions with(InFlight policy, std::chrono::milliseconds latenc
 }
 
 Headers post_headers(const std::string& key, const std::string& api_key = "sk_test_alpha") {
-  return {{"Authorization", "Bearer " + api_key}, {"Idempotency-Key", key}, {"Content-Type", "application/json"}};
+  return {{"Authorization", "Bearer " + api_key},
+          {"Idempotency-Key", key},
+          {"Content-Type", "application/json"}};
 }
 
 std::string payment(long long amount = 4990, const std::string& extra = "") {
-  return fmt::format(R"({{"amount": {}, "currency": "RUB", "order_id": "A-10023"{}}})", amount, extra);
+  return fmt::format(R"({{"amount": {}, "currency": "RUB", "order_id": "A-10023"{}}})", amount,
+                     extra);
 }
 
 std::string error_of(const HttpReply& r) { return json::parse(r.body).at("error"); }
 
 }  // namespace
 
-TEST_CASE("server: 20 parallel requests with one key under raise: one 200, nineteen 409, one charge (x20)") {
+TEST_CASE(
+    "server: 20 parallel requests with one key under raise: one 200, nineteen 409, one charge "
+    "(x20)") {
   TestServer s(with(InFlight::raise));
   for (int round = 0; round < 20; ++round) {
     const std::string key = fmt::format("round-{}", round);
@@ -85,7 +90,9 @@ TEST_CASE("server: 20 parallel requests with one key under raise: one 200, ninet
   }
 }
 
-TEST_CASE("server: 20 parallel requests with one key under wait: twenty 200, byte-identical, one charge (x20)") {
+TEST_CASE(
+    "server: 20 parallel requests with one key under wait: twenty 200, byte-identical, one charge "
+    "(x20)") {
   TestServer s(with(InFlight::wait));
   for (int round = 0; round < 20; ++round) {
     const std::string key = fmt::format("round-{}", round);
@@ -106,12 +113,14 @@ TEST_CASE("server: 20 parallel requests with one key under wait: twenty 200, byt
 TEST_CASE("server: a replay is byte-identical even when non-significant fields changed") {
   TestServer s(with(InFlight::raise, 10ms));
   HttpClient c(s.port());
-  const HttpReply first = c.send("POST", "/v1/payments", post_headers("k1"), payment(4990, R"(, "comment": "first")"));
+  const HttpReply first =
+      c.send("POST", "/v1/payments", post_headers("k1"), payment(4990, R"(, "comment": "first")"));
   REQUIRE(first.status == 200);
   CHECK_FALSE(first.has("idempotent-replayed"));
   CHECK(first.has("idempotency-key-expires"));
-  const HttpReply again = c.send("POST", "/v1/payments", post_headers("k1"),
-                                 payment(4990, R"(, "comment": "retry", "metadata": {"trace": "t2"})"));
+  const HttpReply again =
+      c.send("POST", "/v1/payments", post_headers("k1"),
+             payment(4990, R"(, "comment": "retry", "metadata": {"trace": "t2"})"));
   CHECK(again.status == 200);
   CHECK(again.headers.at("idempotent-replayed") == "true");
   CHECK(again.body == first.body);
@@ -119,7 +128,8 @@ TEST_CASE("server: a replay is byte-identical even when non-significant fields c
   CHECK(s.charges() == 1);
   // The payment is readable by its id.
   const std::string id = json::parse(first.body).at("id");
-  const HttpReply got = c.send("GET", "/v1/payments/" + id, {{"Authorization", "Bearer sk_test_alpha"}});
+  const HttpReply got =
+      c.send("GET", "/v1/payments/" + id, {{"Authorization", "Bearer sk_test_alpha"}});
   CHECK(got.status == 200);
   CHECK(got.body == first.body);
 }
@@ -137,17 +147,24 @@ TEST_CASE("server: a quoted (RFC 8941) key is the same key as the bare one") {
 TEST_CASE("server: the same key under two tenants makes two payments; neither sees the other's") {
   TestServer s(with(InFlight::raise, 10ms));
   HttpClient c(s.port());
-  const HttpReply a = c.send("POST", "/v1/payments", post_headers("shared", "sk_test_alpha"), payment(4990));
-  const HttpReply b = c.send("POST", "/v1/payments", post_headers("shared", "sk_test_beta"), payment(5));
+  const HttpReply a =
+      c.send("POST", "/v1/payments", post_headers("shared", "sk_test_alpha"), payment(4990));
+  const HttpReply b =
+      c.send("POST", "/v1/payments", post_headers("shared", "sk_test_beta"), payment(5));
   REQUIRE(a.status == 200);
   REQUIRE(b.status == 200);  // another tenant's amount is not a key reuse
   CHECK(s.charges() == 2);
   const std::string id_a = json::parse(a.body).at("id"), id_b = json::parse(b.body).at("id");
   CHECK(id_a != id_b);
-  CHECK(c.send("GET", "/v1/payments/" + id_a, {{"Authorization", "Bearer sk_test_beta"}}).status == 404);
-  CHECK(c.send("GET", "/v1/payments/" + id_b, {{"Authorization", "Bearer sk_test_alpha"}}).status == 404);
-  CHECK(c.send("POST", "/v1/payments", post_headers("shared", "sk_test_alpha"), payment(4990)).body == a.body);
-  CHECK(c.send("POST", "/v1/payments", post_headers("shared", "sk_test_beta"), payment(5)).body == b.body);
+  CHECK(c.send("GET", "/v1/payments/" + id_a, {{"Authorization", "Bearer sk_test_beta"}}).status ==
+        404);
+  CHECK(c.send("GET", "/v1/payments/" + id_b, {{"Authorization", "Bearer sk_test_alpha"}}).status ==
+        404);
+  CHECK(
+      c.send("POST", "/v1/payments", post_headers("shared", "sk_test_alpha"), payment(4990)).body ==
+      a.body);
+  CHECK(c.send("POST", "/v1/payments", post_headers("shared", "sk_test_beta"), payment(5)).body ==
+        b.body);
   CHECK(s.charges() == 2);
 }
 
@@ -212,7 +229,8 @@ TEST_CASE("server: 400s name the broken rule and store nothing") {
   HttpClient c(s.port());
   const Headers no_key = {{"Authorization", "Bearer sk_test_alpha"}};
   CHECK(error_of(c.send("POST", "/v1/payments", no_key, payment())) == "idempotency_key_required");
-  for (const std::string& bad : {std::string(256, 'k'), std::string("\"unterminated"), std::string("\"bad\\escape\"")}) {
+  for (const std::string& bad :
+       {std::string(256, 'k'), std::string("\"unterminated"), std::string("\"bad\\escape\"")}) {
     const HttpReply r = c.send("POST", "/v1/payments", post_headers(bad), payment());
     CHECK(r.status == 400);
     CHECK(error_of(r) == "idempotency_key_invalid");
@@ -226,13 +244,15 @@ TEST_CASE("server: 400s name the broken rule and store nothing") {
       {R"({"amount": "10", "currency": "RUB", "order_id": "A-1"})", "amount must be an integer"},
       {R"({"amount": 10, "currency": "rub", "order_id": "A-1"})", "currency must be"},
       {R"({"amount": 10, "currency": "RUB"})", "order_id must be"},
-      {R"({"amount": 10, "currency": "RUB", "order_id": "A-1", "comment": 5})", "comment, when present"},
+      {R"({"amount": 10, "currency": "RUB", "order_id": "A-1", "comment": 5})",
+       "comment, when present"},
   };
   for (const auto& [body, words] : bodies) {
     const HttpReply r = c.send("POST", "/v1/payments", post_headers("k-bad-body"), body);
     CHECK(r.status == 400);
     CHECK(error_of(r) == "invalid_request");
-    CHECK_MESSAGE(json::parse(r.body).at("detail").get<std::string>().find(words) != std::string::npos, body);
+    CHECK_MESSAGE(
+        json::parse(r.body).at("detail").get<std::string>().find(words) != std::string::npos, body);
   }
   idem::test::RawDb raw(s.db);
   CHECK(raw.rows() == 0);
@@ -248,7 +268,8 @@ TEST_CASE("server: a missing or unknown API key is 401 before anything else") {
   CHECK(none.status == 401);
   CHECK(error_of(none) == "unauthorized");
   CHECK(none.headers.at("www-authenticate") == "Bearer");
-  CHECK(c.send("POST", "/v1/payments", post_headers("k1", "sk_live_nope"), payment()).status == 401);
+  CHECK(c.send("POST", "/v1/payments", post_headers("k1", "sk_live_nope"), payment()).status ==
+        401);
   CHECK(c.send("GET", "/v1/payments/pay_1", {{"Authorization", "Basic abc"}}).status == 401);
   CHECK(s.charges() == 0);
 }
@@ -265,7 +286,8 @@ TEST_CASE("server: API keys come from a file when given") {
   TestServer s(o);
   HttpClient c(s.port());
   CHECK(c.send("POST", "/v1/payments", post_headers("k1", "sk_acme"), payment()).status == 200);
-  CHECK(c.send("POST", "/v1/payments", post_headers("k1", "sk_test_alpha"), payment()).status == 401);
+  CHECK(c.send("POST", "/v1/payments", post_headers("k1", "sk_test_alpha"), payment()).status ==
+        401);
   std::ofstream(dir.file("bad.txt")) << "only_one_word\n";
   CHECK_THROWS_WITH(idem::demo::load_api_keys(dir.file("bad.txt")),
                     doctest::Contains("bad.txt:1: expected \"api_key tenant\""));
@@ -276,11 +298,16 @@ TEST_CASE("server: routes, methods, health, metrics and the provider's statement
   HttpClient c(s.port());
   CHECK(c.send("GET", "/healthz").status == 200);
   CHECK(c.send("GET", "/nope").status == 404);
-  const HttpReply wrong = c.send("GET", "/v1/payments", {{"Authorization", "Bearer sk_test_alpha"}});
+  const HttpReply wrong =
+      c.send("GET", "/v1/payments", {{"Authorization", "Bearer sk_test_alpha"}});
   CHECK(wrong.status == 405);
   CHECK(wrong.headers.at("allow") == "POST");
-  CHECK(c.send("DELETE", "/v1/payments/pay_1", {{"Authorization", "Bearer sk_test_alpha"}}).status == 405);
-  CHECK(c.send("GET", "/v1/payments/not-an-id", {{"Authorization", "Bearer sk_test_alpha"}}).status == 404);
+  CHECK(
+      c.send("DELETE", "/v1/payments/pay_1", {{"Authorization", "Bearer sk_test_alpha"}}).status ==
+      405);
+  CHECK(
+      c.send("GET", "/v1/payments/not-an-id", {{"Authorization", "Bearer sk_test_alpha"}}).status ==
+      404);
   c.send("POST", "/v1/payments", post_headers("k1"), payment());
   c.send("POST", "/v1/payments", post_headers("k1"), payment());
   const HttpReply statement = c.send("GET", "/v1/provider/charges");
@@ -304,7 +331,8 @@ TEST_CASE("server: stop() lets the request in flight finish and be answered") {
   s.reset();  // joins run(), which returned after the last request
 }
 
-TEST_CASE("server: hostile input gets 400/413/431 or a closed connection, and the server keeps serving") {
+TEST_CASE(
+    "server: hostile input gets 400/413/431 or a closed connection, and the server keeps serving") {
   idem::demo::ServerOptions o = with(InFlight::raise, 10ms);
   o.read_timeout = 300ms;
   o.idle_timeout = 300ms;
@@ -315,7 +343,8 @@ TEST_CASE("server: hostile input gets 400/413/431 or a closed connection, and th
   const std::string good = "{\"amount\": 10, \"currency\": \"RUB\", \"order_id\": \"A-1\"}";
   auto post = [&](const std::string& key_line, const std::string& body) {
     return "POST /v1/payments HTTP/1.1\r\nHost: x\r\n" + auth + key_line +
-           "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+           "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+           "\r\n\r\n" + body;
   };
   struct Case {
     std::string name, bytes;
@@ -329,31 +358,61 @@ TEST_CASE("server: hostile input gets 400/413/431 or a closed connection, and th
       {"no version", "GET /healthz\r\n\r\n", false, "HTTP/1.1 400"},
       {"space in target", "GET /he althz HTTP/1.1\r\n\r\n", false, "HTTP/1.1 400"},
       {"bad header line", "GET /healthz HTTP/1.1\r\nNoColonHere\r\n\r\n", false, "HTTP/1.1 400"},
-      {"bad content-length", "POST /v1/payments HTTP/1.1\r\nContent-Length: abc\r\n\r\n", false, "HTTP/1.1 400"},
-      {"two content-lengths", "POST /v1/payments HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", false, "HTTP/1.1 400"},
-      {"bad chunk size", "POST /v1/payments HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", false, "HTTP/1.1 400"},
-      {"huge body", post("Idempotency-Key: big\r\n", std::string(64 * 1024, 'x')), false, "HTTP/1.1 413"},
-      {"huge declared body", "POST /v1/payments HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n", false, "HTTP/1.1 413"},
-      {"huge header", "GET /healthz HTTP/1.1\r\nX-Big: " + std::string(8 * 1024, 'a') + "\r\n\r\n", false, "HTTP/1.1 431"},
-      {"many headers", "GET /healthz HTTP/1.1\r\n" + [] { std::string h; for (int i = 0; i < 1000; ++i) h += "X-" + std::to_string(i) + ": v\r\n"; return h; }() + "\r\n", false, "HTTP/1.1 431"},
-      {"huge target", "GET /" + std::string(8 * 1024, 'a') + " HTTP/1.1\r\n\r\n", false, "HTTP/1.1 431"},
+      {"bad content-length", "POST /v1/payments HTTP/1.1\r\nContent-Length: abc\r\n\r\n", false,
+       "HTTP/1.1 400"},
+      {"two content-lengths",
+       "POST /v1/payments HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", false,
+       "HTTP/1.1 400"},
+      {"bad chunk size", "POST /v1/payments HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+       false, "HTTP/1.1 400"},
+      {"huge body", post("Idempotency-Key: big\r\n", std::string(64 * 1024, 'x')), false,
+       "HTTP/1.1 413"},
+      {"huge declared body", "POST /v1/payments HTTP/1.1\r\nContent-Length: 999999999\r\n\r\n",
+       false, "HTTP/1.1 413"},
+      {"huge header", "GET /healthz HTTP/1.1\r\nX-Big: " + std::string(8 * 1024, 'a') + "\r\n\r\n",
+       false, "HTTP/1.1 431"},
+      {"many headers",
+       "GET /healthz HTTP/1.1\r\n" +
+           [] {
+             std::string h;
+             for (int i = 0; i < 1000; ++i) h += "X-" + std::to_string(i) + ": v\r\n";
+             return h;
+           }() +
+           "\r\n",
+       false, "HTTP/1.1 431"},
+      {"huge target", "GET /" + std::string(8 * 1024, 'a') + " HTTP/1.1\r\n\r\n", false,
+       "HTTP/1.1 431"},
       {"truncated headers", "GET /healthz HTTP/1.1\r\nHost: x\r\n", true, ""},
-      {"truncated body", "POST /v1/payments HTTP/1.1\r\n" + auth + "Content-Length: 100\r\n\r\n{\"amount\"", true, ""},
+      {"truncated body",
+       "POST /v1/payments HTTP/1.1\r\n" + auth + "Content-Length: 100\r\n\r\n{\"amount\"", true,
+       ""},
       {"never finished headers", "GET /healthz HTTP/1.1\r\nHost:", false, ""},
-      {"never finished body", "POST /v1/payments HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc", false, ""},
+      {"never finished body", "POST /v1/payments HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc", false,
+       ""},
       {"connect and say nothing", "", false, ""},
       {"bad json", post("Idempotency-Key: j1\r\n", "{\"amount\": "), false, "HTTP/1.1 400"},
-      {"json with NUL", post("Idempotency-Key: j2\r\n", std::string("{\"amount\":\0}", 12)), false, "HTTP/1.1 400"},
-      {"deep json", post("Idempotency-Key: j3\r\n", std::string(5000, '[') + std::string(5000, ']')), false, "HTTP/1.1 400"},
-      {"non-UTF-8 json", post("Idempotency-Key: j4\r\n", "{\"order_id\": \"\xff\xfe\"}"), false, "HTTP/1.1 400"},
+      {"json with NUL", post("Idempotency-Key: j2\r\n", std::string("{\"amount\":\0}", 12)), false,
+       "HTTP/1.1 400"},
+      {"deep json",
+       post("Idempotency-Key: j3\r\n", std::string(5000, '[') + std::string(5000, ']')), false,
+       "HTTP/1.1 400"},
+      {"non-UTF-8 json", post("Idempotency-Key: j4\r\n", "{\"order_id\": \"\xff\xfe\"}"), false,
+       "HTTP/1.1 400"},
       {"empty key", post("Idempotency-Key: \r\n", good), false, "HTTP/1.1 400"},
-      {"over-long key", post("Idempotency-Key: " + std::string(300, 'k') + "\r\n", good), false, "HTTP/1.1 400"},
-      {"control byte in key", post("Idempotency-Key: a\x01" "b\r\n", good), false, "HTTP/1.1 400"},
+      {"over-long key", post("Idempotency-Key: " + std::string(300, 'k') + "\r\n", good), false,
+       "HTTP/1.1 400"},
+      {"control byte in key",
+       post("Idempotency-Key: a\x01"
+            "b\r\n",
+            good),
+       false, "HTTP/1.1 400"},
       {"non-ASCII key", post("Idempotency-Key: \xd0\xba\xd0\xbb\r\n", good), false, "HTTP/1.1 400"},
       {"half-quoted key", post("Idempotency-Key: \"abc\r\n", good), false, "HTTP/1.1 400"},
-      {"wrong method on payments", "PUT /v1/payments HTTP/1.1\r\n" + auth + "Content-Length: 0\r\n\r\n", false, "HTTP/1.1 405"},
+      {"wrong method on payments",
+       "PUT /v1/payments HTTP/1.1\r\n" + auth + "Content-Length: 0\r\n\r\n", false, "HTTP/1.1 405"},
       {"unknown path", "GET /etc/passwd HTTP/1.1\r\n\r\n", false, "HTTP/1.1 404"},
-      {"dot-dot path", "GET /v1/payments/../../healthz HTTP/1.1\r\n" + auth + "\r\n", false, "HTTP/1.1 404"},
+      {"dot-dot path", "GET /v1/payments/../../healthz HTTP/1.1\r\n" + auth + "\r\n", false,
+       "HTTP/1.1 404"},
       {"HTTP/1.0 without keep-alive", "GET /healthz HTTP/1.0\r\n\r\n", false, "HTTP/1.1 200"},
   };
   REQUIRE(cases.size() >= 30);

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <fstream>
 
-
 #include <nlohmann/json.hpp>
 
 #include "idem/errors.hpp"
@@ -72,8 +71,10 @@ TEST_CASE("sqlite_store: uniqueness is on (tenant, operation, key), enforced by 
   TempDir dir;
   idem::SqliteStore s(dir.file("k.db"));
   CHECK(reserve_at(s, T0).kind == Reservation::Kind::reserved);
-  CHECK(reserve_at(s, T0, kFp, {"beta", "payment.charge", "k1"}).kind == Reservation::Kind::reserved);
-  CHECK(reserve_at(s, T0, kFp, {"alpha", "order.cancel", "k1"}).kind == Reservation::Kind::reserved);
+  CHECK(reserve_at(s, T0, kFp, {"beta", "payment.charge", "k1"}).kind ==
+        Reservation::Kind::reserved);
+  CHECK(reserve_at(s, T0, kFp, {"alpha", "order.cancel", "k1"}).kind ==
+        Reservation::Kind::reserved);
   RawDb raw(dir.file("k.db"));
   CHECK(raw.rows() == 3);
   // A second row for the same triple violates the PRIMARY KEY, whoever tries to write it.
@@ -102,7 +103,8 @@ TEST_CASE("sqlite_store: complete needs the current token and stores the respons
   CHECK(rec->expires_at == T0 + 24h);
 }
 
-TEST_CASE("sqlite_store: an expired lease is taken over with a larger token; the zombie is fenced") {
+TEST_CASE(
+    "sqlite_store: an expired lease is taken over with a larger token; the zombie is fenced") {
   TempDir dir;
   idem::SqliteStore s(dir.file("k.db"));
   const Reservation first = reserve_at(s, T0);
@@ -255,7 +257,9 @@ INSERT INTO idem_keys VALUES ('alpha', 'payment.charge', 'held', zeroblob(32), 1
   { idem::SqliteStore s(dir.file("k.db")); }
   RawDb raw(dir.file("k.db"));
   CHECK(raw.scalar("PRAGMA user_version") == idem::SqliteStore::schema_version());
-  CHECK(raw.text("SELECT sql FROM sqlite_master WHERE name = 'idem_keys'").find("BETWEEN 1 AND 3") != std::string::npos);
+  CHECK(
+      raw.text("SELECT sql FROM sqlite_master WHERE name = 'idem_keys'").find("BETWEEN 1 AND 3") !=
+      std::string::npos);
   CHECK(raw.scalar("SELECT count(*) FROM sqlite_master WHERE name = 'idem_keys_expiry'") == 1);
   CHECK(raw.rows() == 2);
   // The constraint still holds after the rebuild.
@@ -308,8 +312,8 @@ TEST_CASE("sqlite_store: group commit: one transaction, each op its own outcome"
   TempDir dir;
   idem::SqliteStore s(dir.file("k.db"));
   const idem::KeyId k1{"alpha", "op", "k1"}, k2{"alpha", "op", "k2"}, k3{"alpha", "op", "k3"};
-  const Reservation held = reserve_at(s, T0, kFp, k2);   // k2: live, someone else's
-  const Reservation mine = reserve_at(s, T0, kFp, k3);   // k3: ours, to complete
+  const Reservation held = reserve_at(s, T0, kFp, k2);  // k2: live, someone else's
+  const Reservation mine = reserve_at(s, T0, kFp, k3);  // k3: ours, to complete
   const auto before = s.commit_stats();
 
   idem::StoreOp fresh, dup, busy, done, stale;
@@ -345,7 +349,9 @@ TEST_CASE("sqlite_store: group commit: one transaction, each op its own outcome"
   CHECK(s.load(k2)->state == State::in_progress);
 }
 
-TEST_CASE("sqlite_store: group commit: a write lock held past busy_timeout fails every op of the batch, changing nothing") {
+TEST_CASE(
+    "sqlite_store: group commit: a write lock held past busy_timeout fails every op of the batch, "
+    "changing nothing") {
   TempDir dir;
   idem::SqliteStore s(dir.file("k.db"), idem::SqliteOptions{.busy_timeout = 20ms});
   RawDb locker(dir.file("k.db"));
@@ -365,7 +371,8 @@ TEST_CASE("sqlite_store: group commit: a write lock held past busy_timeout fails
   CHECK(raw_rows(dir) == 0);
 }
 
-TEST_CASE("sqlite_store: background checkpoints keep the WAL starting over, and every record intact") {
+TEST_CASE(
+    "sqlite_store: background checkpoints keep the WAL starting over, and every record intact") {
   TempDir dir;
   const std::string path = dir.file("k.db");
   idem::SqliteOptions options;

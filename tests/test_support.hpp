@@ -5,8 +5,8 @@
 #include <stdlib.h>
 
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -50,7 +50,9 @@ class RawDb {
   RawDb& operator=(const RawDb&) = delete;
 
   // Runs `sql`; returns SQLite's result code.
-  int exec(const std::string& sql) { return sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, nullptr); }
+  int exec(const std::string& sql) {
+    return sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, nullptr);
+  }
 
   // The first column of the first row of `sql` as an integer (-1 if no row).
   long long scalar(const std::string& sql) {
@@ -106,13 +108,15 @@ struct World {
 
   // An action that takes `duration` of simulated time (the clock is advanced by the
   // calling thread), then charges the provider (instantly) and answers with the charge id.
-  std::function<Response()> charge_action(std::chrono::milliseconds duration = std::chrono::milliseconds(300),
-                                          std::string provider_key = "") {
+  std::function<Response()> charge_action(
+      std::chrono::milliseconds duration = std::chrono::milliseconds(300),
+      std::string provider_key = "") {
     return [this, duration, provider_key] {
       clock->advance(duration);
       const sim::ChargeResult r = provider->charge("A-10023", 4990, provider_key);
       if (r.declined) {
-        return Response{402, nlohmann::json{{"error", "payment_declined"}, {"reason", r.reason}}.dump(), {}};
+        return Response{
+            402, nlohmann::json{{"error", "payment_declined"}, {"reason", r.reason}}.dump(), {}};
       }
       return Response{200, nlohmann::json{{"charge_id", r.charge_id}}.dump(), {}};
     };

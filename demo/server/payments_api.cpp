@@ -23,7 +23,8 @@ using nlohmann::json;
 
 bool iequals(std::string_view a, std::string_view b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
-           return std::tolower(static_cast<unsigned char>(x)) == std::tolower(static_cast<unsigned char>(y));
+           return std::tolower(static_cast<unsigned char>(x)) ==
+                  std::tolower(static_cast<unsigned char>(y));
          });
 }
 
@@ -44,7 +45,8 @@ Response invalid_request(std::string_view detail) {
 
 // An HTTP-date (RFC 9110) for the Idempotency-Key-Expires header.
 std::string http_date(TimePoint t) {
-  const std::time_t secs = std::chrono::system_clock::to_time_t(std::chrono::system_clock::time_point(t));
+  const std::time_t secs =
+      std::chrono::system_clock::to_time_t(std::chrono::system_clock::time_point(t));
   std::tm tm{};
   gmtime_r(&secs, &tm);
   char buf[64];
@@ -61,15 +63,18 @@ std::optional<Response> check_payment(const json& body) {
     return invalid_request("amount must be an integer from 1 to 10^12 (minor units)");
   }
   const auto currency = body.find("currency");
-  if (currency == body.end() || !currency->is_string() || currency->get_ref<const std::string&>().size() != 3 ||
-      !std::all_of(currency->get_ref<const std::string&>().begin(), currency->get_ref<const std::string&>().end(),
+  if (currency == body.end() || !currency->is_string() ||
+      currency->get_ref<const std::string&>().size() != 3 ||
+      !std::all_of(currency->get_ref<const std::string&>().begin(),
+                   currency->get_ref<const std::string&>().end(),
                    [](char c) { return c >= 'A' && c <= 'Z'; })) {
     return invalid_request("currency must be a three-letter ISO 4217 code such as \"RUB\"");
   }
   const auto order = body.find("order_id");
   if (order == body.end() || !order->is_string() || order->get_ref<const std::string&>().empty() ||
       order->get_ref<const std::string&>().size() > 64 ||
-      !std::all_of(order->get_ref<const std::string&>().begin(), order->get_ref<const std::string&>().end(),
+      !std::all_of(order->get_ref<const std::string&>().begin(),
+                   order->get_ref<const std::string&>().end(),
                    [](char c) { return c >= 0x21 && c <= 0x7e; })) {
     return invalid_request("order_id must be 1 to 64 printable ASCII characters without spaces");
   }
@@ -141,16 +146,20 @@ struct PaymentsApi::Impl {
   std::unique_ptr<sqlite::Statement> insert_payment, name_payment, find_payment;
 
   explicit Impl(ApiOptions o) : options(std::move(o)) {
-    if (options.api_keys.empty()) options.api_keys = {{"sk_test_alpha", "alpha"}, {"sk_test_beta", "beta"}};
+    if (options.api_keys.empty())
+      options.api_keys = {{"sk_test_alpha", "alpha"}, {"sk_test_beta", "beta"}};
     provider = std::make_shared<sim::Provider>(
-        clock, sim::ProviderOptions{.latency = options.provider_latency, .ledger_path = options.ledger});
+        clock,
+        sim::ProviderOptions{.latency = options.provider_latency, .ledger_path = options.ledger});
     Options idem_options;
     idem_options.in_flight = options.policy;
     idem_options.ttl = options.ttl;
-    idem_options.on_store_failure = options.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
+    idem_options.on_store_failure =
+        options.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
     idem_options.clock = clock;
     idem = std::make_unique<Coordinator>(
-        std::make_shared<SqliteStore>(options.db, SqliteOptions{.busy_timeout = options.store_busy_timeout}),
+        std::make_shared<SqliteStore>(options.db,
+                                      SqliteOptions{.busy_timeout = options.store_busy_timeout}),
         std::move(idem_options));
     db = sqlite::open_connection(options.db, &busy);
     sqlite::enable_wal(db.get(), busy);
@@ -164,7 +173,8 @@ struct PaymentsApi::Impl {
   // The tenant of the request's bearer token, or nullopt.
   std::optional<std::string> tenant_of(const HttpRequest& r) const {
     const std::string* auth = r.header("Authorization");
-    if (auth == nullptr || auth->size() <= 7 || !iequals(std::string_view(*auth).substr(0, 7), "Bearer ")) {
+    if (auth == nullptr || auth->size() <= 7 ||
+        !iequals(std::string_view(*auth).substr(0, 7), "Bearer ")) {
       return std::nullopt;
     }
     const auto it = options.api_keys.find(auth->substr(7));
@@ -176,13 +186,17 @@ struct PaymentsApi::Impl {
   net::awaitable<Response> charge(std::string tenant, KeyId id, json body) {
     const std::string order_id = body.at("order_id");
     const long long amount = body.at("amount");
-    const sim::ChargeResult r = co_await sim::async_charge(*provider, order_id, amount, derived_key(id, "charge"));
+    const sim::ChargeResult r =
+        co_await sim::async_charge(*provider, order_id, amount, derived_key(id, "charge"));
     if (r.declined) {
       co_return problem(402, "payment_declined", "Payment declined",
                         fmt::format("the provider declined the charge: {}", r.reason));
     }
-    const json payment = {{"charge_id", r.charge_id}, {"amount", amount}, {"currency", body.at("currency")},
-                          {"order_id", order_id}, {"status", "succeeded"}};
+    const json payment = {{"charge_id", r.charge_id},
+                          {"amount", amount},
+                          {"currency", body.at("currency")},
+                          {"order_id", order_id},
+                          {"status", "succeeded"}};
     // One transaction: the row, then its id ("pay_<seq>") written into its body.
     sqlite::Transaction payment_tx(*tx);
     std::int64_t seq = 0;
@@ -236,7 +250,8 @@ struct PaymentsApi::Impl {
     try {
       const Outcome out = co_await async_call(*idem, std::move(request), std::move(action));
       Response r = to_http(out);
-      if (out.expires_at != TimePoint{}) r.headers.push_back({"Idempotency-Key-Expires", http_date(out.expires_at)});
+      if (out.expires_at != TimePoint{})
+        r.headers.push_back({"Idempotency-Key-Expires", http_date(out.expires_at)});
       co_return r;
     } catch (const error& e) {
       co_return to_http(e);
@@ -250,14 +265,16 @@ struct PaymentsApi::Impl {
 
   Response find(std::string_view id, const std::string& tenant) {
     std::int64_t seq = 0;
-    const bool well_formed = id.starts_with("pay_") && id.size() > 4 && id.size() < 24 &&
-                             std::all_of(id.begin() + 4, id.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const bool well_formed =
+        id.starts_with("pay_") && id.size() > 4 && id.size() < 24 &&
+        std::all_of(id.begin() + 4, id.end(), [](char c) { return c >= '0' && c <= '9'; });
     if (well_formed) seq = std::stoll(std::string(id.substr(4)));
     sqlite::ResetGuard reset(*find_payment);
     find_payment->bind(1, seq);
     find_payment->bind(2, tenant);
     if (!well_formed || !find_payment->step()) {
-      return problem(404, "not_found", "No such payment", "no payment with this id for this API key");
+      return problem(404, "not_found", "No such payment",
+                     "no payment with this id for this API key");
     }
     return Response{200, find_payment->text(0), {{"Content-Type", "application/json"}}};
   }
@@ -286,7 +303,8 @@ net::awaitable<Response> PaymentsApi::handle(HttpRequest req) {
     }
     if (path == "/metrics") {
       if (req.method != "GET") co_return method_not_allowed("GET");
-      co_return Response{200, d.idem->metrics().to_prometheus(), {{"Content-Type", "text/plain; version=0.0.4"}}};
+      co_return Response{
+          200, d.idem->metrics().to_prometheus(), {{"Content-Type", "text/plain; version=0.0.4"}}};
     }
     if (path == "/v1/provider/charges") {
       if (req.method != "GET") co_return method_not_allowed("GET");
@@ -296,13 +314,15 @@ net::awaitable<Response> PaymentsApi::handle(HttpRequest req) {
     const bool item = path.starts_with("/v1/payments/") && path.size() > 13 &&
                       path.find('/', 13) == std::string::npos;
     if (!collection && !item) {
-      co_return problem(404, "not_found", "Not found", fmt::format("no route for {}", path.substr(0, 100)));
+      co_return problem(404, "not_found", "Not found",
+                        fmt::format("no route for {}", path.substr(0, 100)));
     }
     // Authentication comes before anything else about the request.
     const std::optional<std::string> tenant = d.tenant_of(req);
     if (!tenant) {
-      Response r = problem(401, "unauthorized", "Unauthorized",
-                           "send Authorization: Bearer <API key> (demo keys: sk_test_alpha, sk_test_beta)");
+      Response r =
+          problem(401, "unauthorized", "Unauthorized",
+                  "send Authorization: Bearer <API key> (demo keys: sk_test_alpha, sk_test_beta)");
       r.headers.push_back({"WWW-Authenticate", "Bearer"});
       co_return r;
     }

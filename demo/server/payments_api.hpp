@@ -35,9 +35,9 @@ struct HttpRequest {
 };
 
 struct ApiOptions {
-  std::string db;                         // idempotency keys and payments (SQLite file)
-  std::string ledger;                     // provider ledger; empty: in memory
-  InFlight policy = InFlight::raise;      // a public API should not hold connections
+  std::string db;                     // idempotency keys and payments (SQLite file)
+  std::string ledger;                 // provider ledger; empty: in memory
+  InFlight policy = InFlight::raise;  // a public API should not hold connections
   std::chrono::milliseconds provider_latency{300};
   bool fail_closed = false;
   // API key -> tenant. Empty: the two demo keys sk_test_alpha -> alpha, sk_test_beta -> beta.

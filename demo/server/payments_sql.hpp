@@ -20,7 +20,8 @@ inline constexpr std::string_view kInsertPayment =
     "INSERT INTO demo_payments (tenant, body, created_at) VALUES (?1, ?2, ?3) RETURNING seq";
 // ?1 seq: writes the payment's id ("pay_<seq>") into its body; the body.
 inline constexpr std::string_view kNamePayment =
-    "UPDATE demo_payments SET body = json_set(body, '$.id', 'pay_' || seq) WHERE seq = ?1 RETURNING body";
+    "UPDATE demo_payments SET body = json_set(body, '$.id', 'pay_' || seq) WHERE seq = ?1 "
+    "RETURNING body";
 // ?1 seq ?2 tenant
 inline constexpr std::string_view kFindPayment =
     "SELECT body FROM demo_payments WHERE seq = ?1 AND tenant = ?2";

@@ -56,7 +56,8 @@ struct Server::Impl {
     HttpRequest out;
     out.method = std::string(req.method_string());
     out.target = std::string(req.target());
-    for (const auto& field : req) out.headers.push_back({std::string(field.name_string()), std::string(field.value())});
+    for (const auto& field : req)
+      out.headers.push_back({std::string(field.name_string()), std::string(field.value())});
     out.body = std::move(req.body());
     return out;
   }
@@ -65,7 +66,8 @@ struct Server::Impl {
     http::response<http::string_body> res{static_cast<http::status>(r.status), 11};
     res.set(http::field::server, "idem-demo");
     for (const Header& h : r.headers) res.set(h.name, h.value);
-    if (res.find(http::field::content_type) == res.end()) res.set(http::field::content_type, "application/json");
+    if (res.find(http::field::content_type) == res.end())
+      res.set(http::field::content_type, "application/json");
     res.body() = r.body;
     res.keep_alive(keep_alive);
     res.prepare_payload();
@@ -77,14 +79,16 @@ struct Server::Impl {
   // The answer to a request that could not be read, or nullopt to just close.
   static std::optional<Response> read_failure(const beast::error_code& ec) {
     if (ec == http::error::body_limit) {
-      return problem(413, "payload_too_large", "Payload too large", "the body exceeds the server's limit");
+      return problem(413, "payload_too_large", "Payload too large",
+                     "the body exceeds the server's limit");
     }
     if (ec == http::error::header_limit) {
       return problem(431, "headers_too_large", "Request header fields too large",
                      "the header section exceeds the server's limit");
     }
     static const auto& http_errors = beast::error_code(http::error::bad_method).category();
-    if (ec.category() == http_errors && ec != http::error::end_of_stream && ec != http::error::partial_message) {
+    if (ec.category() == http_errors && ec != http::error::end_of_stream &&
+        ec != http::error::partial_message) {
       return problem(400, "bad_request", "Malformed HTTP request", ec.message());
     }
     return std::nullopt;  // closed, timed out, cancelled, or cut short: nobody to answer
@@ -99,8 +103,8 @@ struct Server::Impl {
       reading.insert(&stream);
       if (buffer.size() == 0) {
         stream.expires_after(options.idle_timeout);
-        const std::size_t n = co_await stream.async_read_some(buffer.prepare(4096),
-                                                               net::redirect_error(net::use_awaitable, ec));
+        const std::size_t n = co_await stream.async_read_some(
+            buffer.prepare(4096), net::redirect_error(net::use_awaitable, ec));
         buffer.commit(n);
       }
       http::request_parser<http::string_body> parser;
@@ -108,7 +112,8 @@ struct Server::Impl {
       parser.header_limit(static_cast<std::uint32_t>(options.header_limit));
       if (!ec) {
         stream.expires_after(options.read_timeout);
-        co_await http::async_read(stream, buffer, parser, net::redirect_error(net::use_awaitable, ec));
+        co_await http::async_read(stream, buffer, parser,
+                                  net::redirect_error(net::use_awaitable, ec));
       }
       reading.erase(&stream);
       if (ec) {
@@ -132,7 +137,8 @@ struct Server::Impl {
   net::awaitable<void> listen() {
     for (;;) {
       beast::error_code ec;
-      tcp::socket socket = co_await acceptor.async_accept(net::redirect_error(net::use_awaitable, ec));
+      tcp::socket socket =
+          co_await acceptor.async_accept(net::redirect_error(net::use_awaitable, ec));
       if (stopping) co_return;
       if (ec) continue;  // a failed accept (fd limits...) does not stop the server
       net::co_spawn(io, session(std::move(socket)), [](std::exception_ptr e) {

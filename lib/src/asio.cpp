@@ -31,7 +31,8 @@ namespace net = boost::asio;
 class AsyncWaiter {
  public:
   explicit AsyncWaiter(const net::any_io_executor& ex)
-      : timer_(ex, net::steady_timer::time_point::max()), handle_(std::make_shared<Handle>(&timer_)) {}
+      : timer_(ex, net::steady_timer::time_point::max()),
+        handle_(std::make_shared<Handle>(&timer_)) {}
   ~AsyncWaiter() {
     std::lock_guard lock(handle_->mutex);
     handle_->timer = nullptr;

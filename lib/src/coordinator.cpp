@@ -18,32 +18,32 @@ void check(bool ok, std::string_view what) {
 
 namespace {
 
-void check_option(bool ok, std::string_view what) {
-  check(ok, fmt::format("options: {}", what));
-}
+void check_option(bool ok, std::string_view what) { check(ok, fmt::format("options: {}", what)); }
 
 std::shared_ptr<Store> checked(std::shared_ptr<Store> store, const Options& o) {
   using std::chrono::minutes;
   check_option(store != nullptr, "a store is required");
   auto check_ttl = [&](std::chrono::milliseconds ttl, std::string_view name) {
-    check_option(ttl >= minutes(1), fmt::format("{} is {} ms; a TTL is at least one minute (60000 ms)",
-                                         name, ttl.count()));
+    check_option(
+        ttl >= minutes(1),
+        fmt::format("{} is {} ms; a TTL is at least one minute (60000 ms)", name, ttl.count()));
     check_option(o.lease < ttl, fmt::format("lease ({} ms) must be shorter than {} ({} ms)",
-                                     o.lease.count(), name, ttl.count()));
+                                            o.lease.count(), name, ttl.count()));
   };
   check_option(o.lease.count() > 0, "lease must be positive");
   check_ttl(o.ttl, "ttl");
   for (const auto& [op, ttl] : o.ttl_by_operation) check_ttl(ttl, fmt::format("ttl for '{}'", op));
   check_option(o.heartbeat.count() >= 0, "heartbeat must not be negative");
-  check_option(o.heartbeat.count() == 0 || o.heartbeat < o.lease,
-        fmt::format("heartbeat ({} ms) must be shorter than the lease ({} ms), or 0 for none",
-                    o.heartbeat.count(), o.lease.count()));
+  check_option(
+      o.heartbeat.count() == 0 || o.heartbeat < o.lease,
+      fmt::format("heartbeat ({} ms) must be shorter than the lease ({} ms), or 0 for none",
+                  o.heartbeat.count(), o.lease.count()));
   check_option(o.max_wait.count() >= 0, "max_wait must not be negative");
   check_option(o.poll_initial.count() > 0, "poll_initial must be positive");
   check_option(o.poll_max >= o.poll_initial, "poll_max must not be below poll_initial");
   check_option(o.reap_after.count() >= 0, "reap_after must not be negative");
   check_option(o.inline_body_limit == 0 || o.payload_store != nullptr,
-        "inline_body_limit needs a payload_store to keep larger bodies");
+               "inline_body_limit needs a payload_store to keep larger bodies");
   return store;
 }
 
@@ -123,8 +123,8 @@ Response CoordinatorCore::response_of(Record&& record) const {
   return r;
 }
 
-void CoordinatorCore::log(LogLevel level, std::string_view event, const Call& c,
-                          std::int64_t token, std::string_view message) const {
+void CoordinatorCore::log(LogLevel level, std::string_view event, const Call& c, std::int64_t token,
+                          std::string_view message) const {
   if (!options.log) return;
   const std::string hash = c.has_key ? short_hash(c.id) : std::string("-");
   log(level, event, hash, c.id.operation, token, message);
@@ -158,7 +158,8 @@ Outcome Coordinator::call(const Request& request, const std::function<Response()
   using Kind = detail::Effect::Kind;
   detail::CoordinatorCore& core = *core_;
   std::shared_ptr<detail::BlockingWaiter> waiter;
-  detail::Flow flow(core, request, [&waiter] { return waiter = std::make_shared<detail::BlockingWaiter>(); });
+  detail::Flow flow(core, request,
+                    [&waiter] { return waiter = std::make_shared<detail::BlockingWaiter>(); });
   for (;;) {
     const detail::Effect e = flow.next();
     switch (e.kind) {
@@ -246,9 +247,12 @@ Store& Coordinator::store() const noexcept { return *core_->store; }
 
 std::string_view to_string(InFlight policy) noexcept {
   switch (policy) {
-    case InFlight::run: return "run";
-    case InFlight::wait: return "wait";
-    case InFlight::raise: return "raise";
+    case InFlight::run:
+      return "run";
+    case InFlight::wait:
+      return "wait";
+    case InFlight::raise:
+      return "raise";
   }
   return "wait";
 }

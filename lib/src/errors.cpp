@@ -8,12 +8,18 @@ namespace idem {
 
 std::string_view to_string(errc code) noexcept {
   switch (code) {
-    case errc::invalid_key: return "invalid_key";
-    case errc::invalid_argument: return "invalid_argument";
-    case errc::key_reuse: return "key_reuse";
-    case errc::in_progress: return "in_progress";
-    case errc::lease_lost: return "lease_lost";
-    case errc::store_unavailable: return "store_unavailable";
+    case errc::invalid_key:
+      return "invalid_key";
+    case errc::invalid_argument:
+      return "invalid_argument";
+    case errc::key_reuse:
+      return "key_reuse";
+    case errc::in_progress:
+      return "in_progress";
+    case errc::lease_lost:
+      return "lease_lost";
+    case errc::store_unavailable:
+      return "store_unavailable";
   }
   return "unknown";
 }

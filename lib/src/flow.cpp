@@ -53,20 +53,28 @@ Effect Flow::next() {
                    nullptr, {});
       }
       return read();
-    case Phase::read: return after_read();
-    case Phase::reserve: return after_reserve();
-    case Phase::ran: return after_ran();
+    case Phase::read:
+      return after_read();
+    case Phase::reserve:
+      return after_reserve();
+    case Phase::ran:
+      return after_ran();
     case Phase::failed:
       if (mode_ != Mode::reserved) std::rethrow_exception(failure_);
-      op_ = StoreOp{.kind = StoreOp::Kind::release, .id = &call_.id, .now = core_.now(), .token = token_};
+      op_ = StoreOp{
+          .kind = StoreOp::Kind::release, .id = &call_.id, .now = core_.now(), .token = token_};
       return write(Phase::release);
-    case Phase::complete: return after_complete();
-    case Phase::store: return after_store();
-    case Phase::release: return after_release();
+    case Phase::complete:
+      return after_complete();
+    case Phase::store:
+      return after_store();
+    case Phase::release:
+      return after_release();
     case Phase::sleep:
       unsubscribe();  // a wake may already have dropped us; subscribing again follows a read
       return read();
-    case Phase::run: break;
+    case Phase::run:
+      break;
   }
   throw std::logic_error("idem: Flow::next() while the action runs");
 }
@@ -84,15 +92,18 @@ Effect Flow::after_read() {
       return sleep(t);
     }
     store_error_ = loaded_.error;
-    return act(decide({Found::Kind::store_failed}, call_, core_.options.on_store_failure, t, give_up_),
-               nullptr, t);
+    return act(
+        decide({Found::Kind::store_failed}, call_, core_.options.on_store_failure, t, give_up_),
+        nullptr, t);
   }
   if (loaded_.record && loaded_.record->live_at(t)) {
     Record& r = *loaded_.record;
-    return act(decide({Found::Kind::live, &r}, call_, core_.options.on_store_failure, t, give_up_), &r, t);
+    return act(decide({Found::Kind::live, &r}, call_, core_.options.on_store_failure, t, give_up_),
+               &r, t);
   }
-  return act(decide({Found::Kind::nothing_live}, call_, core_.options.on_store_failure, t, give_up_),
-             nullptr, t);
+  return act(
+      decide({Found::Kind::nothing_live}, call_, core_.options.on_store_failure, t, give_up_),
+      nullptr, t);
 }
 
 Effect Flow::after_reserve() {
@@ -140,7 +151,8 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
 
     case Decision::run_unreserved:
       bump(core_.counters.executed);
-      log(LogLevel::info, "cache_miss", "InFlight::run: no stored result, running without a reservation");
+      log(LogLevel::info, "cache_miss",
+          "InFlight::run: no stored result, running without a reservation");
       return run(Mode::unreserved);
 
     case Decision::run_unprotected:
@@ -237,7 +249,8 @@ void Flow::failed(std::exception_ptr error) {
 }
 
 Effect Flow::after_ran() {
-  if (mode_ == Mode::unprotected) return answer(std::move(response_), Outcome::Source::unprotected, {});
+  if (mode_ == Mode::unprotected)
+    return answer(std::move(response_), Outcome::Source::unprotected, {});
   try {
     stored_ = core_.stored_form(call_.id, response_);
   } catch (const std::exception& e) {

@@ -110,7 +110,7 @@ class Flow {
   std::shared_ptr<Waiter> waiter_;
   std::int64_t holder_ = 0;  // the token waited on; 0: not waiting
   TimePoint holder_lease_{};
-  bool subscribed_ = false;   // waiter_ is in the registry for holder_
+  bool subscribed_ = false;    // waiter_ is in the registry for holder_
   bool holder_local_ = false;  // the holder is in this process: its end wakes us
   std::chrono::milliseconds poll_;
   bool waited_ = false;  // counted once per call

@@ -8,11 +8,15 @@ namespace idem {
 int http_status(errc code) noexcept {
   switch (code) {
     case errc::invalid_key:
-    case errc::invalid_argument: return 400;
-    case errc::key_reuse: return 422;
+    case errc::invalid_argument:
+      return 400;
+    case errc::key_reuse:
+      return 422;
     case errc::in_progress:
-    case errc::lease_lost: return 409;
-    case errc::store_unavailable: return 503;
+    case errc::lease_lost:
+      return 409;
+    case errc::store_unavailable:
+      return 503;
   }
   return 500;
 }
@@ -26,11 +30,16 @@ std::string_view http_error_code(const error& e) noexcept {
       }
       return "idempotency_key_invalid";
     }
-    case errc::invalid_argument: return "invalid_request";
-    case errc::key_reuse: return "idempotency_key_reuse";
-    case errc::in_progress: return "idempotency_key_in_use";
-    case errc::lease_lost: return "lease_lost";
-    case errc::store_unavailable: return "store_unavailable";
+    case errc::invalid_argument:
+      return "invalid_request";
+    case errc::key_reuse:
+      return "idempotency_key_reuse";
+    case errc::in_progress:
+      return "idempotency_key_in_use";
+    case errc::lease_lost:
+      return "lease_lost";
+    case errc::store_unavailable:
+      return "store_unavailable";
   }
   return "internal_error";
 }
@@ -54,12 +63,18 @@ Response problem(int status, std::string_view error_code, std::string_view title
 Response to_http(const error& e) {
   static constexpr auto title_of = [](errc code) -> std::string_view {
     switch (code) {
-      case errc::invalid_key: return "Invalid idempotency key";
-      case errc::invalid_argument: return "Invalid request";
-      case errc::key_reuse: return "Idempotency key reused for a different request";
-      case errc::in_progress: return "A request with this idempotency key is in progress";
-      case errc::lease_lost: return "The request lost its reservation";
-      case errc::store_unavailable: return "Idempotency store unavailable";
+      case errc::invalid_key:
+        return "Invalid idempotency key";
+      case errc::invalid_argument:
+        return "Invalid request";
+      case errc::key_reuse:
+        return "Idempotency key reused for a different request";
+      case errc::in_progress:
+        return "A request with this idempotency key is in progress";
+      case errc::lease_lost:
+        return "The request lost its reservation";
+      case errc::store_unavailable:
+        return "Idempotency store unavailable";
     }
     return "Error";
   };

@@ -20,8 +20,8 @@ detail::Digest digest_of(const KeyId& id) {
 void validate_key_part(std::string_view field, std::string_view value) {
   if (value.empty()) throw InvalidKeyError(std::string(field), "is empty");
   if (value.size() > kMaxKeyBytes) {
-    throw InvalidKeyError(std::string(field),
-                          fmt::format("is longer than {} bytes ({} bytes)", kMaxKeyBytes, value.size()));
+    throw InvalidKeyError(std::string(field), fmt::format("is longer than {} bytes ({} bytes)",
+                                                          kMaxKeyBytes, value.size()));
   }
   for (std::size_t i = 0; i < value.size(); ++i) {
     const auto byte = static_cast<unsigned char>(value[i]);
@@ -29,8 +29,9 @@ void validate_key_part(std::string_view field, std::string_view value) {
       throw InvalidKeyError(std::string(field), fmt::format("contains a NUL byte at offset {}", i));
     }
     if (byte < 0x20 || byte == 0x7f) {
-      throw InvalidKeyError(std::string(field),
-                            fmt::format("contains a control byte (0x{:02x}) at offset {}", byte, i));
+      throw InvalidKeyError(
+          std::string(field),
+          fmt::format("contains a control byte (0x{:02x}) at offset {}", byte, i));
     }
     if (byte > 0x7f) {
       throw InvalidKeyError(std::string(field),

@@ -7,7 +7,8 @@ namespace idem {
 std::string MetricsSnapshot::to_prometheus() const {
   std::string out;
   auto put = [&out](std::string_view name, std::uint64_t value, std::string_view help) {
-    fmt::format_to(std::back_inserter(out), "# HELP idem_{0}_total {2}\n# TYPE idem_{0}_total counter\nidem_{0}_total {1}\n",
+    fmt::format_to(std::back_inserter(out),
+                   "# HELP idem_{0}_total {2}\n# TYPE idem_{0}_total counter\nidem_{0}_total {1}\n",
                    name, value, help);
   };
   put("reserved", reserved, "Fresh reservations.");

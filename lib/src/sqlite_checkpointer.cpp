@@ -62,9 +62,9 @@ void Checkpointer::run() {
     if (stopping_) return;
     lock.unlock();
     const int kept = checkpoint(conn.get(), busy);
-    next_at_.store(kept == 0 ? options_.checkpoint_pages
-                             : kept + std::max(options_.checkpoint_pages / 4, 1),
-                   std::memory_order_relaxed);
+    next_at_.store(
+        kept == 0 ? options_.checkpoint_pages : kept + std::max(options_.checkpoint_pages / 4, 1),
+        std::memory_order_relaxed);
     checkpoints_.fetch_add(1, std::memory_order_relaxed);
     lock.lock();
     wanted_ = false;
@@ -89,7 +89,8 @@ int Checkpointer::checkpoint(sqlite3* conn, sqlite::BusyPolicy& busy) {
   const int short_tail = std::max(options_.checkpoint_pages / 8, 16);
   int log = 0, copied = 0;
   for (int round = 0, done = 0; round < kRounds; ++round) {
-    if (sqlite3_wal_checkpoint_v2(conn, nullptr, SQLITE_CHECKPOINT_PASSIVE, &log, &copied) != SQLITE_OK) {
+    if (sqlite3_wal_checkpoint_v2(conn, nullptr, SQLITE_CHECKPOINT_PASSIVE, &log, &copied) !=
+        SQLITE_OK) {
       return std::max(log, 1);  // another connection is checkpointing: try again later
     }
     // `log` is the WAL as this round found it; what it had to copy was written while the
@@ -106,7 +107,8 @@ int Checkpointer::checkpoint(sqlite3* conn, sqlite::BusyPolicy& busy) {
   if (log >= 4 * options_.checkpoint_pages) {
     busy.timeout = std::chrono::milliseconds(0);
     std::lock_guard hold(writers_);
-    const int rc = sqlite3_wal_checkpoint_v2(conn, nullptr, SQLITE_CHECKPOINT_RESTART, &log, &copied);
+    const int rc =
+        sqlite3_wal_checkpoint_v2(conn, nullptr, SQLITE_CHECKPOINT_RESTART, &log, &copied);
     busy.timeout = options_.busy_timeout;
     if (rc == SQLITE_OK) return 0;
   }

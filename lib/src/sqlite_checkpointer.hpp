@@ -32,7 +32,9 @@ class Checkpointer {
   Checkpointer(const Checkpointer&) = delete;
   Checkpointer& operator=(const Checkpointer&) = delete;
 
-  std::uint64_t checkpoints() const noexcept { return checkpoints_.load(std::memory_order_relaxed); }
+  std::uint64_t checkpoints() const noexcept {
+    return checkpoints_.load(std::memory_order_relaxed);
+  }
 
  private:
   static int on_commit(void* self, sqlite3* db, const char* name, int pages);

@@ -16,7 +16,8 @@ std::vector<Header> headers_from_json(const std::string& text) {
       out.push_back({pair.at(0).get<std::string>(), pair.at(1).get<std::string>()});
     }
   } catch (const nlohmann::json::exception& e) {
-    throw StoreError(std::string("sqlite: a stored headers column does not decode: ") + e.what(), 0);
+    throw StoreError(std::string("sqlite: a stored headers column does not decode: ") + e.what(),
+                     0);
   }
   return out;
 }

@@ -20,7 +20,8 @@ using sqlite::ResetGuard;
 using sqlite::Statement;
 
 struct SqliteStore::Impl {
-  detail::FairMutex mutex;  // serialises every use of `db` and the statements, first come first served
+  detail::FairMutex
+      mutex;  // serialises every use of `db` and the statements, first come first served
   sqlite::BusyPolicy busy;
   sqlite::Connection db;
   sqlite::TransactionStatements tx;
@@ -194,8 +195,8 @@ struct SqliteStore::Impl {
         op.applied = release_in_tx(*op.id, op.token, op.now);
         break;
       case StoreOp::Kind::store_if_absent:
-        if (std::optional<Record> winner =
-                store_if_absent_in_tx(*op.id, *op.fingerprint, *op.response, op.now, op.expires_at)) {
+        if (std::optional<Record> winner = store_if_absent_in_tx(
+                *op.id, *op.fingerprint, *op.response, op.now, op.expires_at)) {
           op.reservation.kind = Reservation::Kind::existing;
           op.reservation.existing = std::move(winner);
         }
@@ -291,7 +292,8 @@ bool SqliteStore::complete(const KeyId& id, std::int64_t token, const StoredResp
 }
 
 bool SqliteStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
-  return apply_one(*this, StoreOp{.kind = StoreOp::Kind::release, .id = &id, .now = now, .token = token})
+  return apply_one(*this,
+                   StoreOp{.kind = StoreOp::Kind::release, .id = &id, .now = now, .token = token})
       .applied;
 }
 
@@ -317,7 +319,8 @@ bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_unt
   return Impl::changed(s);
 }
 
-bool SqliteStore::set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) {
+bool SqliteStore::set_recovery_point(const KeyId& id, std::int64_t token,
+                                     const std::string& point) {
   std::lock_guard lock(impl_->mutex);
   Statement& s = impl_->set_recovery_point;
   ResetGuard reset(s);

@@ -17,8 +17,8 @@ void Store::apply(std::span<StoreOp* const> ops) {
           op.applied = release(*op.id, op.token, op.now);
           break;
         case StoreOp::Kind::store_if_absent:
-          if (std::optional<Record> winner = store_if_absent(*op.id, *op.fingerprint, *op.response,
-                                                             op.now, op.expires_at)) {
+          if (std::optional<Record> winner =
+                  store_if_absent(*op.id, *op.fingerprint, *op.response, op.now, op.expires_at)) {
             op.reservation.kind = Reservation::Kind::existing;
             op.reservation.existing = std::move(winner);
           }

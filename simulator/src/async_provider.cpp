@@ -5,8 +5,10 @@
 namespace idem::sim {
 
 boost::asio::awaitable<ChargeResult> async_charge(Provider& provider, std::string order_id,
-                                                  std::int64_t amount, std::string idempotency_key) {
-  const PendingCharge pending = provider.start(std::move(order_id), amount, std::move(idempotency_key));
+                                                  std::int64_t amount,
+                                                  std::string idempotency_key) {
+  const PendingCharge pending =
+      provider.start(std::move(order_id), amount, std::move(idempotency_key));
   co_await async_sleep_until(provider.clock(), pending.due);
   co_return provider.finish(pending);
 }

@@ -13,20 +13,27 @@ unsigned bit(Operation op) { return 1u << static_cast<unsigned>(op); }
 
 Operation operation_of(StoreOp::Kind kind) {
   switch (kind) {
-    case StoreOp::Kind::reserve: return Operation::reserve;
-    case StoreOp::Kind::complete: return Operation::complete;
-    case StoreOp::Kind::release: return Operation::release;
-    case StoreOp::Kind::store_if_absent: return Operation::store_if_absent;
+    case StoreOp::Kind::reserve:
+      return Operation::reserve;
+    case StoreOp::Kind::complete:
+      return Operation::complete;
+    case StoreOp::Kind::release:
+      return Operation::release;
+    case StoreOp::Kind::store_if_absent:
+      return Operation::store_if_absent;
   }
   return Operation::reserve;
 }
 
 int code_of(Operation op) {
   switch (op) {
-    case Operation::load: return SQLITE_IOERR_READ;
+    case Operation::load:
+      return SQLITE_IOERR_READ;
     case Operation::complete:
-    case Operation::store_if_absent: return SQLITE_FULL;
-    default: return SQLITE_IOERR_WRITE;
+    case Operation::store_if_absent:
+      return SQLITE_FULL;
+    default:
+      return SQLITE_IOERR_WRITE;
   }
 }
 
@@ -72,7 +79,8 @@ bool FaultyStore::renew(const KeyId& id, std::int64_t token, TimePoint lease) {
   return StoreWrapper::renew(id, token, lease);
 }
 
-bool FaultyStore::set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) {
+bool FaultyStore::set_recovery_point(const KeyId& id, std::int64_t token,
+                                     const std::string& point) {
   fail_if(Operation::set_recovery_point);
   return StoreWrapper::set_recovery_point(id, token, point);
 }

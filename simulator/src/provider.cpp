@@ -28,7 +28,9 @@ struct Provider::Ledger {
       sqlite::exec(db.get(), sql::kLedgerSchema);
       schema.commit();
     }
-    auto make = [this](std::string_view text) { return std::make_unique<sqlite::Statement>(db.get(), text); };
+    auto make = [this](std::string_view text) {
+      return std::make_unique<sqlite::Statement>(db.get(), text);
+    };
     find = make(sql::kFindByKey);
     insert = make(sql::kInsert);
     count = make(sql::kCount);
@@ -55,7 +57,8 @@ void Provider::on_event(std::function<void(TimePoint, const std::string&)> sink)
   sink_ = std::move(sink);
 }
 
-PendingCharge Provider::start(std::string order_id, std::int64_t amount, std::string idempotency_key) {
+PendingCharge Provider::start(std::string order_id, std::int64_t amount,
+                              std::string idempotency_key) {
   PendingCharge p{std::nullopt, std::move(order_id), amount, std::move(idempotency_key),
                   clock_->now() + options_.latency};
   std::lock_guard lock(mutex_);
@@ -109,7 +112,8 @@ ChargeResult Provider::finish(const PendingCharge& p) {
   }
   tx.commit();
   emit(result.deduplicated
-           ? fmt::format("provider: duplicate charge for {} recognised, returned {}", p.order_id, result.charge_id)
+           ? fmt::format("provider: duplicate charge for {} recognised, returned {}", p.order_id,
+                         result.charge_id)
            : fmt::format("provider: charged {} for {}", result.charge_id, p.order_id));
   if (p.fault == Fault::crash) {
     lock.unlock();

@@ -23,8 +23,8 @@ struct Stats {
   double p50_us = 0, p99_us = 0, max_us = 0;
 
   nlohmann::json json() const {
-    return {{"calls", calls}, {"seconds", seconds}, {"per_s", per_s},
-            {"p50_us", p50_us}, {"p99_us", p99_us}, {"max_us", max_us}};
+    return {{"calls", calls},   {"seconds", seconds}, {"per_s", per_s},
+            {"p50_us", p50_us}, {"p99_us", p99_us},   {"max_us", max_us}};
   }
 };
 

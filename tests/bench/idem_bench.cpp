@@ -1,38 +1,39 @@
 // scripts/bench: what idem costs, measured against the bare SQLite floor in the same run.
 //
-//   idem_bench [--quick] [--json] [--dir DIR] [--only calls,sweep,processes,handoff,growth,purge,bytes]
-//   idem_bench --child ...                       one process of a multi-process scenario
-//   idem_bench --chart RESULTS.json OUT.svg      the README's chart from a --json run
+//   idem_bench [--quick] [--json] [--dir DIR] [--only
+//   calls,sweep,processes,handoff,growth,purge,bytes] idem_bench --child ... one process of a
+//   multi-process scenario idem_bench --chart RESULTS.json OUT.svg      the README's chart from a
+//   --json run
 #include <utility>  // before Asio (Boost 1.74)
 
 #include <fcntl.h>
-#include <sqlite3.h>
 #include <spawn.h>
+#include <sqlite3.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <atomic>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <iostream>
 #include <latch>
 #include <mutex>
 #include <random>
 #include <sstream>
-#include <cmath>
 #include <thread>
 
 #include "bench.hpp"
+#include "floor_sql.hpp"
 #include "idem/asio.hpp"
 #include "idem/coordinator.hpp"
-#include "idem/sqlite_store.hpp"
-#include "floor_sql.hpp"
 #include "idem/internal/sqlite.hpp"
+#include "idem/sqlite_store.hpp"
 
 extern char** environ;
 
@@ -57,7 +58,9 @@ struct Config {
 const Fingerprint kFp = Fingerprint::of(json{{"amount", 4990}, {"currency", "RUB"}});
 const std::string kTenant = "alpha", kOperation = "payment.charge";
 
-std::string key_of(std::size_t i, const std::string& prefix = "k") { return fmt::format("{}{:08}", prefix, i); }
+std::string key_of(std::size_t i, const std::string& prefix = "k") {
+  return fmt::format("{}{:08}", prefix, i);
+}
 
 Request request_for(const std::string& key) {
   Request r;
@@ -86,7 +89,8 @@ class Floor {
       : db_(open_floor(path, busy_)) {
     if (!checkpoints) sqlite3_wal_autocheckpoint(db_.get(), 0);
     sqlite::enable_wal(db_.get(), busy_);
-    sqlite::exec(db_.get(), sync == Synchronous::full ? sql::kSynchronousFull : sql::kSynchronousNormal);
+    sqlite::exec(db_.get(),
+                 sync == Synchronous::full ? sql::kSynchronousFull : sql::kSynchronousNormal);
     // Default checkpointing (wal_autocheckpoint=1000), as any naive user would have.
     begin_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kBeginImmediate);
     commit_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kCommit);
@@ -149,7 +153,9 @@ class Floor {
 };
 
 std::int64_t now_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 Stats floor_fresh(const Config& c, Synchronous sync, std::size_t n, bool checkpoints = true) {
@@ -189,9 +195,10 @@ Stats floor_replay(const Config& c, Synchronous sync, std::size_t keys, std::siz
 
 // ---- idem ------------------------------------------------------------------------------------
 
-std::unique_ptr<Coordinator> make_idem(const std::string& path, Synchronous sync, Options options = {}) {
-  return std::make_unique<Coordinator>(std::make_shared<SqliteStore>(path, SqliteOptions{.synchronous = sync}),
-                                       std::move(options));
+std::unique_ptr<Coordinator> make_idem(const std::string& path, Synchronous sync,
+                                       Options options = {}) {
+  return std::make_unique<Coordinator>(
+      std::make_shared<SqliteStore>(path, SqliteOptions{.synchronous = sync}), std::move(options));
 }
 
 Stats idem_fresh_blocking(const Config& c, Synchronous sync, std::size_t n) {
@@ -225,7 +232,9 @@ Stats idem_async(Coordinator& idem, std::size_t n, std::size_t inflight,
   };
   const auto t0 = Clock::now();
   for (std::size_t w = 0; w < inflight; ++w) {
-    net::co_spawn(io, worker(), [](std::exception_ptr e) { if (e) std::rethrow_exception(e); });
+    net::co_spawn(io, worker(), [](std::exception_ptr e) {
+      if (e) std::rethrow_exception(e);
+    });
   }
   io.run();
   return summarize(std::move(lat), micros_since(t0) / 1e6);
@@ -269,7 +278,6 @@ double file_bytes(const std::string& path) {
   return total;
 }
 
-
 // One caller replaying `keys` completed keys, `n` calls, on a store reopened after they were
 // written (closing checkpoints: nothing runs behind the measurement).
 Stats idem_replay(const Config& c, Synchronous sync, std::size_t keys, std::size_t n) {
@@ -287,7 +295,8 @@ double median(std::vector<double> v) {
 // ---- 5. several processes on one database file ---------------------------------------------
 
 // Child: waits for one byte on `gate_fd`, makes `n` fresh calls, prints its stats as JSON.
-int run_child(const std::string& db, std::size_t n, const std::string& prefix, Synchronous sync, int gate_fd) {
+int run_child(const std::string& db, std::size_t n, const std::string& prefix, Synchronous sync,
+              int gate_fd) {
   auto idem = make_idem(db, sync);
   char go = 0;
   if (read(gate_fd, &go, 1) != 1) return 3;
@@ -301,7 +310,8 @@ struct Spawned {
   std::string out;
 };
 
-Spawned spawn_self(const Config& c, std::vector<std::string> args, const std::string& out, int close_fd) {
+Spawned spawn_self(const Config& c, std::vector<std::string> args, const std::string& out,
+                   int close_fd) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -338,13 +348,16 @@ MultiProcess processes(const Config& c, std::size_t procs, std::size_t n_each, S
   if (pipe(gate) != 0) throw std::runtime_error("pipe failed");
   std::vector<Spawned> kids;
   for (std::size_t p = 0; p < procs; ++p) {
-    kids.push_back(spawn_self(c, {"--child", db, std::to_string(n_each), fmt::format("p{}-", p),
-                                  sync == Synchronous::full ? "full" : "normal", std::to_string(gate[0])},
-                              c.dir + fmt::format("/child-{}.json", p), gate[1]));
+    kids.push_back(
+        spawn_self(c,
+                   {"--child", db, std::to_string(n_each), fmt::format("p{}-", p),
+                    sync == Synchronous::full ? "full" : "normal", std::to_string(gate[0])},
+                   c.dir + fmt::format("/child-{}.json", p), gate[1]));
   }
   close(gate[0]);
   const std::string go(procs, 'G');
-  if (write(gate[1], go.data(), go.size()) != static_cast<ssize_t>(go.size())) throw std::runtime_error("gate");
+  if (write(gate[1], go.data(), go.size()) != static_cast<ssize_t>(go.size()))
+    throw std::runtime_error("gate");
   close(gate[1]);
   MultiProcess out;
   double longest = 0;
@@ -371,12 +384,17 @@ std::vector<double> wait_for(Coordinator& idem, const std::string& key, std::siz
   net::io_context io(1);
   std::vector<double> returned(waiters);
   for (std::size_t i = 0; i < waiters; ++i) {
-    net::co_spawn(io, [&idem, &returned, key, i]() -> net::awaitable<void> {
-      Request r = request_for(key);
-      AsyncAction action = []() -> net::awaitable<Response> { co_return small_response(); };
-      co_await async_call(idem, std::move(r), std::move(action));
-      returned[i] = mono_us();
-    }, [](std::exception_ptr e) { if (e) std::rethrow_exception(e); });
+    net::co_spawn(
+        io,
+        [&idem, &returned, key, i]() -> net::awaitable<void> {
+          Request r = request_for(key);
+          AsyncAction action = []() -> net::awaitable<Response> { co_return small_response(); };
+          co_await async_call(idem, std::move(r), std::move(action));
+          returned[i] = mono_us();
+        },
+        [](std::exception_ptr e) {
+          if (e) std::rethrow_exception(e);
+        });
   }
   io.run();
   return returned;
@@ -446,7 +464,8 @@ Stats handoff_cross_process(const Config& c, std::size_t rounds) {
 
 // Writes `count` completed records straight into the table (fast, for sizing), with keys in
 // random order like real UUIDs, expiring at `expires_ms`.
-void bulk_fill(const std::string& path, std::size_t count, std::int64_t expires_ms, const std::string& prefix) {
+void bulk_fill(const std::string& path, std::size_t count, std::int64_t expires_ms,
+               const std::string& prefix) {
   { SqliteStore schema(path); }
   sqlite::BusyPolicy busy{std::chrono::seconds(10), {}};
   sqlite::Connection db = sqlite::open_connection(path, &busy);
@@ -486,8 +505,12 @@ Growth growth_at(const Config& c, std::size_t stored) {
   auto idem = make_idem(path, Synchronous::normal);
   const std::size_t n = 2000;
   Growth g;
-  g.reserve = idem_threads(*idem, n, 1, [](std::size_t i) { return fmt::format("fresh-{:016x}", i * 0x9e3779b97f4a7c15ULL); });
-  g.replay = idem_threads(*idem, n, 1, [](std::size_t i) { return fmt::format("fresh-{:016x}", i * 0x9e3779b97f4a7c15ULL); });
+  g.reserve = idem_threads(*idem, n, 1, [](std::size_t i) {
+    return fmt::format("fresh-{:016x}", i * 0x9e3779b97f4a7c15ULL);
+  });
+  g.replay = idem_threads(*idem, n, 1, [](std::size_t i) {
+    return fmt::format("fresh-{:016x}", i * 0x9e3779b97f4a7c15ULL);
+  });
   return g;
 }
 
@@ -523,7 +546,6 @@ Purge purge_while_serving(const Config& c, std::size_t expired) {
   return p;
 }
 
-
 // ---- the README's chart, from a --json run ----------------------------------------------------
 
 struct Series {
@@ -532,8 +554,8 @@ struct Series {
 };
 
 // One line chart with a logarithmic x axis and a linear y axis from 0, as SVG elements.
-std::string panel(double left, const std::string& title, const std::string& x_label, const std::string& y_label,
-                  const std::vector<Series>& series) {
+std::string panel(double left, const std::string& title, const std::string& x_label,
+                  const std::string& y_label, const std::vector<Series>& series) {
   const double w = 420, h = 260, top = 40, pad = 50;
   double xmin = 1e300, xmax = 0, ymax = 0;
   for (const auto& s : series) {
@@ -545,32 +567,49 @@ std::string panel(double left, const std::string& title, const std::string& x_la
   }
   if (xmax <= xmin) xmax = xmin * 10;
   ymax = ymax * 1.1 + 1e-9;
-  auto px = [&](double x) { return left + pad + (std::log10(x) - std::log10(xmin)) / (std::log10(xmax) - std::log10(xmin)) * (w - pad - 10); };
+  auto px = [&](double x) {
+    return left + pad +
+           (std::log10(x) - std::log10(xmin)) / (std::log10(xmax) - std::log10(xmin)) *
+               (w - pad - 10);
+  };
   auto py = [&](double y) { return top + h - y / ymax * h; };
-  std::string out = fmt::format(R"svg(<text x="{}" y="20" font-size="14" font-weight="bold">{}</text>)svg", left + pad, title);
-  out += fmt::format(R"svg(<line x1="{0}" y1="{1}" x2="{0}" y2="{2}" stroke="black"/><line x1="{0}" y1="{2}" x2="{3}" y2="{2}" stroke="black"/>)svg",
-                     left + pad, top, top + h, left + w);
+  std::string out =
+      fmt::format(R"svg(<text x="{}" y="20" font-size="14" font-weight="bold">{}</text>)svg",
+                  left + pad, title);
+  out += fmt::format(
+      R"svg(<line x1="{0}" y1="{1}" x2="{0}" y2="{2}" stroke="black"/><line x1="{0}" y1="{2}" x2="{3}" y2="{2}" stroke="black"/>)svg",
+      left + pad, top, top + h, left + w);
   for (int i = 0; i <= 4; ++i) {
     const double y = ymax * i / 4;
-    out += fmt::format(R"svg(<text x="{}" y="{}" font-size="10" text-anchor="end">{:.0f}</text>)svg", left + pad - 4, py(y) + 3, y);
+    out +=
+        fmt::format(R"svg(<text x="{}" y="{}" font-size="10" text-anchor="end">{:.0f}</text>)svg",
+                    left + pad - 4, py(y) + 3, y);
   }
   for (const auto& s : series) {
     for (auto [x, y] : s.points) {
       (void)y;
-      out += fmt::format(R"svg(<text x="{}" y="{}" font-size="10" text-anchor="middle">{:g}</text>)svg", px(x), top + h + 14, x);
+      out += fmt::format(
+          R"svg(<text x="{}" y="{}" font-size="10" text-anchor="middle">{:g}</text>)svg", px(x),
+          top + h + 14, x);
     }
     break;
   }
-  out += fmt::format(R"svg(<text x="{}" y="{}" font-size="11" text-anchor="middle">{}</text>)svg", left + pad + (w - pad) / 2, top + h + 32, x_label);
-  out += fmt::format(R"svg(<text x="{}" y="{}" font-size="11" transform="rotate(-90 {} {})" text-anchor="middle">{}</text>)svg",
-                     left + 12, top + h / 2, left + 12, top + h / 2, y_label);
+  out += fmt::format(R"svg(<text x="{}" y="{}" font-size="11" text-anchor="middle">{}</text>)svg",
+                     left + pad + (w - pad) / 2, top + h + 32, x_label);
+  out += fmt::format(
+      R"svg(<text x="{}" y="{}" font-size="11" transform="rotate(-90 {} {})" text-anchor="middle">{}</text>)svg",
+      left + 12, top + h / 2, left + 12, top + h / 2, y_label);
   int legend = 0;
   for (const auto& s : series) {
     std::string pts;
     for (auto [x, y] : s.points) pts += fmt::format("{:.1f},{:.1f} ", px(x), py(y));
-    out += fmt::format(R"svg(<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>)svg", s.color, pts);
-    for (auto [x, y] : s.points) out += fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="{}"/>)svg", px(x), py(y), s.color);
-    out += fmt::format(R"svg(<text x="{}" y="{}" font-size="11" fill="{}">{}</text>)svg", left + pad + 10, top + 12 + 14 * legend++, s.color, s.name);
+    out += fmt::format(R"svg(<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>)svg",
+                       s.color, pts);
+    for (auto [x, y] : s.points)
+      out += fmt::format(R"svg(<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="{}"/>)svg", px(x), py(y),
+                         s.color);
+    out += fmt::format(R"svg(<text x="{}" y="{}" font-size="11" fill="{}">{}</text>)svg",
+                       left + pad + 10, top + 12 + 14 * legend++, s.color, s.name);
   }
   return out;
 }
@@ -596,8 +635,8 @@ int chart(const std::string& results, const std::string& out_path) {
       << R"svg(<rect width="100%" height="100%" fill="white"/>)svg"
       << panel(0, "Latency against keys stored", "keys stored", "microseconds",
                {reserve_p50, reserve_p99, replay_p50, replay_p99})
-      << panel(450, "Throughput against calls in flight", "calls in flight (one io_context)", "calls per second",
-               {throughput})
+      << panel(450, "Throughput against calls in flight", "calls in flight (one io_context)",
+               "calls per second", {throughput})
       << "</svg>\n";
   return out ? 0 : 1;
 }
@@ -611,8 +650,9 @@ struct Report {
   void line(const std::string& name, const Stats& s, const Stats* floor = nullptr) {
     out["raw"][name] = s.json();
     if (!human) return;
-    std::cout << fmt::format("  {:<46} {:>10.0f}/s  p50 {:>8.1f} us  p99 {:>8.1f} us  max {:>9.1f} us", name,
-                             s.per_s, s.p50_us, s.p99_us, s.max_us);
+    std::cout << fmt::format(
+        "  {:<46} {:>10.0f}/s  p50 {:>8.1f} us  p99 {:>8.1f} us  max {:>9.1f} us", name, s.per_s,
+        s.p50_us, s.p99_us, s.max_us);
     if (floor != nullptr) std::cout << fmt::format("   x{:.2f} of floor", s.per_s / floor->per_s);
     std::cout << '\n';
   }
@@ -652,7 +692,8 @@ int run_all(const Config& c) {
     {
       auto idem = make_idem(fresh_db(c, "idem-async64"), sync);
       concurrent = idem_async(*idem, calls, 64, [](std::size_t i) { return key_of(i); });
-      report.line(fmt::format("{}: idem, 64 in flight on one io_context", mode), concurrent, &floor);
+      report.line(fmt::format("{}: idem, 64 in flight on one io_context", mode), concurrent,
+                  &floor);
     }
     {
       auto idem = make_idem(fresh_db(c, "idem-threads"), sync);
@@ -669,7 +710,8 @@ int run_all(const Config& c) {
       const std::string path = fresh_db(c, "idem-replay64");
       { populate(*make_idem(path, sync), keys); }
       auto idem = make_idem(path, sync);
-      const Stats r64 = idem_async(*idem, calls, 64, [&](std::size_t i) { return key_of(i % keys); });
+      const Stats r64 =
+          idem_async(*idem, calls, 64, [&](std::size_t i) { return key_of(i % keys); });
       report.line(fmt::format("{}: idem replay, 64 in flight", mode), r64, &floor_r);
     }
     if (sync == Synchronous::normal) {
@@ -677,7 +719,8 @@ int run_all(const Config& c) {
       // median of kPairs: this VM's speed drifts by ±15 % over seconds, and a ratio of two
       // runs taken a minute apart measures the drift as much as idem.
       constexpr int kPairs = 5;
-      std::vector<double> fresh{blocking.per_s / floor.per_s}, replay{replay1.per_s / floor_r.per_s};
+      std::vector<double> fresh{blocking.per_s / floor.per_s},
+          replay{replay1.per_s / floor_r.per_s};
       for (int pair = 1; pair < kPairs; ++pair) {
         const double f = floor_fresh(c, sync, calls).per_s;
         fresh.push_back(idem_fresh_blocking(c, sync, calls).per_s / f);
@@ -688,8 +731,9 @@ int run_all(const Config& c) {
       o["raw"]["replay_ratio_pairs"] = replay;
       o["fresh_key_ratio"] = median(fresh);
       o["replay_ratio"] = median(replay);
-      report.note(fmt::format("ratios, median of {} back-to-back pairs: fresh key {:.2f}, replay {:.2f}", kPairs,
-                              o["fresh_key_ratio"].get<double>(), o["replay_ratio"].get<double>()));
+      report.note(
+          fmt::format("ratios, median of {} back-to-back pairs: fresh key {:.2f}, replay {:.2f}",
+                      kPairs, o["fresh_key_ratio"].get<double>(), o["replay_ratio"].get<double>()));
       o["concurrent_fresh_calls_per_s"] = concurrent.per_s;
     } else {
       o["concurrent_fresh_calls_per_s_full"] = concurrent.per_s;
@@ -697,13 +741,15 @@ int run_all(const Config& c) {
   }
 
   // Throughput against calls in flight (for the chart).
-  if (c.wants("sweep")) report.heading("normal: fresh keys, throughput against calls in flight (asio)");
+  if (c.wants("sweep"))
+    report.heading("normal: fresh keys, throughput against calls in flight (asio)");
   for (const std::size_t inflight : std::vector<std::size_t>{1, 4, 16, 64, 256}) {
     if (!c.wants("sweep")) break;
     auto idem = make_idem(fresh_db(c, "sweep"), Synchronous::normal);
     const Stats s = idem_async(*idem, n, inflight, [](std::size_t i) { return key_of(i); });
     report.line(fmt::format("normal: {} in flight", inflight), s);
-    o["inflight_sweep"].push_back({{"inflight", inflight}, {"per_s", s.per_s}, {"p99_us", s.p99_us}});
+    o["inflight_sweep"].push_back(
+        {{"inflight", inflight}, {"per_s", s.per_s}, {"p99_us", s.p99_us}});
   }
 
   // 5. Processes on one file, distinct keys, FULL (where starvation used to show).
@@ -714,18 +760,22 @@ int run_all(const Config& c) {
       const std::size_t each = (c.quick ? 1000u : 4000u) / (sync == Synchronous::full ? 4u : 1u);
       const MultiProcess m = processes(c, procs, each, sync);
       const std::string mode = sync == Synchronous::full ? "full" : "normal";
-      report.note(fmt::format("{}: {} processes: {:.0f} calls/s together, worst single call {:.1f} ms",
-                              mode, procs, m.per_s, m.worst_ms));
-      o["raw"][fmt::format("{}_processes_{}", procs, mode)] = {{"per_s", m.per_s}, {"worst_ms", m.worst_ms}, {"children", m.raw}};
+      report.note(
+          fmt::format("{}: {} processes: {:.0f} calls/s together, worst single call {:.1f} ms",
+                      mode, procs, m.per_s, m.worst_ms));
+      o["raw"][fmt::format("{}_processes_{}", procs, mode)] = {
+          {"per_s", m.per_s}, {"worst_ms", m.worst_ms}, {"children", m.raw}};
       if (procs == 2) {
-        o["two_process_worst_wait_ms"] = std::max(o.value("two_process_worst_wait_ms", 0.0), m.worst_ms);
+        o["two_process_worst_wait_ms"] =
+            std::max(o.value("two_process_worst_wait_ms", 0.0), m.worst_ms);
       }
     }
   }
 
   // 6. Hand-off: 20 duplicates waiting on a 300 ms action.
   if (c.wants("handoff")) {
-    report.heading("hand-off: 20 duplicates wait on a 300 ms action; from its end to each waiter's return");
+    report.heading(
+        "hand-off: 20 duplicates wait on a 300 ms action; from its end to each waiter's return");
     const std::size_t rounds = c.quick ? 3 : 10;
     const Stats in = handoff_in_process(c, rounds);
     report.line("hand-off, same process (woken by the completion)", in);
@@ -745,7 +795,8 @@ int run_all(const Config& c) {
       const Growth g = growth_at(c, stored);
       report.line(fmt::format("{} keys stored: fresh reserve+complete", stored), g.reserve);
       report.line(fmt::format("{} keys stored: replay", stored), g.replay);
-      o["growth"].push_back({{"keys", stored}, {"reserve", g.reserve.json()}, {"replay", g.replay.json()}});
+      o["growth"].push_back(
+          {{"keys", stored}, {"reserve", g.reserve.json()}, {"replay", g.replay.json()}});
       if (first_p99 == 0) first_p99 = g.reserve.p99_us;
       last_p99 = g.reserve.p99_us;
     }
@@ -754,10 +805,13 @@ int run_all(const Config& c) {
   if (c.wants("purge")) {
     const std::size_t expired = c.quick ? 100000 : 1000000;
     const Purge p = purge_while_serving(c, expired);
-    report.note(fmt::format("purge of {} expired keys: {:.2f} s; {} calls meanwhile, longest {:.1f} ms",
-                            p.purged, p.seconds, p.reserves, p.max_reserve_wait_ms));
+    report.note(
+        fmt::format("purge of {} expired keys: {:.2f} s; {} calls meanwhile, longest {:.1f} ms",
+                    p.purged, p.seconds, p.reserves, p.max_reserve_wait_ms));
     o["purge_max_reserve_wait_ms"] = p.max_reserve_wait_ms;
-    o["raw"]["purge"] = {{"expired", p.purged}, {"seconds", p.seconds}, {"calls_meanwhile", p.reserves},
+    o["raw"]["purge"] = {{"expired", p.purged},
+                         {"seconds", p.seconds},
+                         {"calls_meanwhile", p.reserves},
                          {"max_reserve_wait_ms", p.max_reserve_wait_ms}};
   }
 
@@ -768,13 +822,15 @@ int run_all(const Config& c) {
     {
       auto idem = make_idem(path, Synchronous::normal);
       const Response response{200, std::string(200, 'x'), {}};
-      idem_threads(*idem, keys, 1, [](std::size_t i) { return key_of(i, "7f3c1e8a-4b2d-4e91-a5f6-"); },
-                   [&] { return response; });
+      idem_threads(
+          *idem, keys, 1, [](std::size_t i) { return key_of(i, "7f3c1e8a-4b2d-4e91-a5f6-"); },
+          [&] { return response; });
     }
     // Closing the last connection checkpoints the WAL into the file.
     o["bytes_per_key"] = file_bytes(path) / static_cast<double>(keys);
     report.heading("storage");
-    report.note(fmt::format("bytes on disk per stored key: {:.0f}", o["bytes_per_key"].get<double>()));
+    report.note(
+        fmt::format("bytes on disk per stored key: {:.0f}", o["bytes_per_key"].get<double>()));
   }
 
   if (c.json_out) std::cout << o.dump(2) << '\n';
@@ -789,22 +845,26 @@ int main(int argc, char** argv) {
   c.self = argv[0];
   c.dir = std::filesystem::temp_directory_path() / fmt::format("idem-bench-{}", getpid());
   if (argc == 7 && std::string(argv[1]) == "--child") {
-    return idem::bench::run_child(argv[2], std::stoul(argv[3]), argv[4],
-                                  std::string(argv[5]) == "full" ? idem::Synchronous::full : idem::Synchronous::normal,
-                                  std::stoi(argv[6]));
+    return idem::bench::run_child(
+        argv[2], std::stoul(argv[3]), argv[4],
+        std::string(argv[5]) == "full" ? idem::Synchronous::full : idem::Synchronous::normal,
+        std::stoi(argv[6]));
   }
-  if (argc == 4 && std::string(argv[1]) == "--hold") return idem::bench::run_holder(argv[2], argv[3]);
+  if (argc == 4 && std::string(argv[1]) == "--hold")
+    return idem::bench::run_holder(argv[2], argv[3]);
   if (argc == 4 && std::string(argv[1]) == "--chart") return idem::bench::chart(argv[2], argv[3]);
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") c.quick = true;
-    else if (a == "--json") c.json_out = true;
-    else if (a == "--dir" && i + 1 < argc) c.dir = argv[++i];
+    if (a == "--quick")
+      c.quick = true;
+    else if (a == "--json")
+      c.json_out = true;
+    else if (a == "--dir" && i + 1 < argc)
+      c.dir = argv[++i];
     else if (a == "--only" && i + 1 < argc) {
       std::stringstream list(argv[++i]);
       for (std::string name; std::getline(list, name, ',');) c.only.push_back(name);
-    }
-    else {
+    } else {
       std::cerr << "usage: idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...]\n"
                    "sections: calls sweep processes handoff growth purge bytes\n";
       return 2;

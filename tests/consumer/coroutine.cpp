@@ -23,16 +23,18 @@ int main() {
     net::co_spawn(
         io,
         [&]() -> net::awaitable<void> {
-          idem::Request request{.tenant = "alpha",
-                                .operation = "payment.charge",
-                                .key = "consumer-2",
-                                .fingerprint = idem::Fingerprint::of(nlohmann::json{{"amount", 10}})};
+          idem::Request request{
+              .tenant = "alpha",
+              .operation = "payment.charge",
+              .key = "consumer-2",
+              .fingerprint = idem::Fingerprint::of(nlohmann::json{{"amount", 10}})};
           idem::AsyncAction action = [&]() -> net::awaitable<idem::Response> {
             ++charges;
             co_await idem::async_sleep_until(*clock, clock->now() + std::chrono::milliseconds(20));
             co_return idem::Response{200, "ch_1", {}};
           };
-          const idem::Outcome out = co_await idem::async_call(idem, std::move(request), std::move(action));
+          const idem::Outcome out =
+              co_await idem::async_call(idem, std::move(request), std::move(action));
           answers.push_back(out.response.body);
         },
         net::detached);

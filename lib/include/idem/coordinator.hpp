@@ -36,8 +36,8 @@ struct CoordinatorAccess;
 struct Request {
   std::string tenant;
   std::string operation;
-  std::optional<std::string> key;  // nullopt: the client sent none (Options::missing_key)
-  Fingerprint fingerprint;         // of the request's significant fields
+  std::optional<std::string> key;       // nullopt: the client sent none (Options::missing_key)
+  Fingerprint fingerprint;              // of the request's significant fields
   std::optional<InFlight> in_flight{};  // per-call override of Options::in_flight
 };
 

@@ -42,9 +42,12 @@ struct Record {
   // completed record within its TTL. A record that does not count is as good as absent.
   bool live_at(TimePoint now) const noexcept {
     switch (state) {
-      case State::in_progress: return now < lease_until;
-      case State::completed: return now < expires_at;
-      case State::released: return false;
+      case State::in_progress:
+        return now < lease_until;
+      case State::completed:
+        return now < expires_at;
+      case State::released:
+        return false;
     }
     return false;
   }
@@ -58,9 +61,9 @@ struct StoredResponse {
 
 struct Reservation {
   enum class Kind {
-    reserved,     // the key was absent (or its record no longer counted): caller owns it
-    taken_over,   // an in_progress record whose lease had expired: caller owns it now
-    existing,     // a live record holds the key: see `existing`
+    reserved,    // the key was absent (or its record no longer counted): caller owns it
+    taken_over,  // an in_progress record whose lease had expired: caller owns it now
+    existing,    // a live record holds the key: see `existing`
   };
   Kind kind = Kind::reserved;
   std::int64_t token = 0;                     // the caller's token when it owns the key
@@ -130,7 +133,8 @@ class Store {
 
   // Records the last finished step of a multi-step operation, only if `token` is current
   // (and the record in progress). Returns false, changing nothing, if it is not.
-  virtual bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) = 0;
+  virtual bool set_recovery_point(const KeyId& id, std::int64_t token,
+                                  const std::string& point) = 0;
 
   // The record as stored (live or not), or nullopt.
   virtual std::optional<Record> load(const KeyId& id) = 0;

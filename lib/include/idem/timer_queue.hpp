@@ -17,7 +17,7 @@ class TimerQueue {
   using TimerId = Clock::TimerId;
 
   TimerId add(TimePoint at, std::function<void()> fn);  // ids start at 1 and never repeat
-  void cancel(TimerId id);  // no effect if it is not pending
+  void cancel(TimerId id);                              // no effect if it is not pending
   bool empty() const noexcept { return pending_.empty(); }
   TimePoint earliest() const;  // requires !empty()
   // Removes and returns the earliest call (requires !empty()).

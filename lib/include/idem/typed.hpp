@@ -5,7 +5,8 @@
 //   idem::Typed<Charge> c = idem::call<Charge>(coordinator, request, [&] { return charge(); });
 //
 // The value is stored as its JSON (status 200) and a replay parses it back; void actions
-// and empty std::optional results store JSON null. Business rejections that need another status use Coordinator::call.
+// and empty std::optional results store JSON null. Business rejections that need another status use
+// Coordinator::call.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -73,7 +74,8 @@ Typed<T> call(Coordinator& coordinator, const Request& request, F&& action) {
   if constexpr (std::is_void_v<T>) {
     return Typed<void>{out.source};
   } else {
-    return Typed<T>{detail::from_json_value<T>(nlohmann::json::parse(out.response.body)), out.source};
+    return Typed<T>{detail::from_json_value<T>(nlohmann::json::parse(out.response.body)),
+                    out.source};
   }
 }
 

@@ -29,10 +29,11 @@ int on_busy(void* arg, int count) {
   if (count == 0) policy->started = now;
   const auto waited = now - policy->started;
   if (waited >= policy->timeout) return 0;
-  const auto step = waited >= kImpatient ? std::chrono::microseconds(50)
-                                         : std::min<std::chrono::microseconds>(
-                                               std::chrono::microseconds(50) * (1 << std::min(count, 5)),
-                                               std::chrono::milliseconds(1));
+  const auto step = waited >= kImpatient
+                        ? std::chrono::microseconds(50)
+                        : std::min<std::chrono::microseconds>(
+                              std::chrono::microseconds(50) * (1 << std::min(count, 5)),
+                              std::chrono::milliseconds(1));
   std::this_thread::sleep_for(step);
   return 1;
 }
@@ -47,9 +48,9 @@ void throw_error(sqlite3* db, int rc, std::string_view what) {
 
 Connection open_connection(const std::string& path, BusyPolicy* busy) {
   sqlite3* raw = nullptr;
-  const int rc = sqlite3_open_v2(path.c_str(), &raw,
-                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
-                                 nullptr);
+  const int rc =
+      sqlite3_open_v2(path.c_str(), &raw,
+                      SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
   Connection db(raw);
   if (rc != SQLITE_OK) throw_error(raw, rc, fmt::format("open {}", path));
   sqlite3_extended_result_codes(raw, 1);
@@ -65,7 +66,8 @@ void enable_wal(sqlite3* db, const BusyPolicy& busy) {
       mode.step();
       return;
     } catch (const StoreError& e) {
-      if ((e.sqlite_code() & 0xff) != SQLITE_BUSY || std::chrono::steady_clock::now() >= deadline) throw;
+      if ((e.sqlite_code() & 0xff) != SQLITE_BUSY || std::chrono::steady_clock::now() >= deadline)
+        throw;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100) * std::min(attempt + 1, 10));
   }
@@ -134,7 +136,9 @@ bool Statement::is_null(int column) const {
   return sqlite3_column_type(stmt_.get(), column) == SQLITE_NULL;
 }
 
-std::int64_t Statement::int64(int column) const { return sqlite3_column_int64(stmt_.get(), column); }
+std::int64_t Statement::int64(int column) const {
+  return sqlite3_column_int64(stmt_.get(), column);
+}
 
 std::string Statement::text(int column) const {
   const auto* p = sqlite3_column_text(stmt_.get(), column);

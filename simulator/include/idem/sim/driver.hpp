@@ -8,10 +8,10 @@
 namespace idem::sim {
 
 // Runs every ready handler of `io`; when none is ready, moves `clock` to its next deadline
-// and runs everything due at that instant (so simultaneous events share one turn); stops when nothing is ready and nothing is scheduled. All
-// waits inside must go through `clock` (idem::async_sleep_until, the coordinator's waits,
-// the simulated provider), never through real timers. Single-threaded: call it from the
-// one thread that runs `io`.
+// and runs everything due at that instant (so simultaneous events share one turn); stops when
+// nothing is ready and nothing is scheduled. All waits inside must go through `clock`
+// (idem::async_sleep_until, the coordinator's waits, the simulated provider), never through real
+// timers. Single-threaded: call it from the one thread that runs `io`.
 void run(boost::asio::io_context& io, SimulatedClock& clock);
 
 }  // namespace idem::sim

@@ -39,8 +39,10 @@ class FaultyStore final : public StoreWrapper {
   // Every operation at once: the store is unreachable.
   void set_unreachable(bool down) noexcept;
 
-  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now, TimePoint lease) override;
-  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r, TimePoint expires) override;
+  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
+                      TimePoint lease) override;
+  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
+                TimePoint expires) override;
   bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
   bool renew(const KeyId& id, std::int64_t token, TimePoint lease) override;
   bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;

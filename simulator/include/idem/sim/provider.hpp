@@ -52,9 +52,9 @@ class ProviderTimeout : public std::runtime_error {
 
 struct ChargeResult {
   bool declined = false;
-  std::string charge_id;     // "ch_<n>" when charged (or deduplicated)
-  std::string reason;        // "insufficient_funds" when declined
-  bool deduplicated = false; // true: an earlier charge with the same key was returned
+  std::string charge_id;      // "ch_<n>" when charged (or deduplicated)
+  std::string reason;         // "insufficient_funds" when declined
+  bool deduplicated = false;  // true: an earlier charge with the same key was returned
 };
 
 // A charge on its way (Provider::start): what it will do was decided when it arrived; it
