@@ -69,6 +69,7 @@ int run_charge(const ChargeArgs& a) {
                       {}};
     });
     const Response http = to_http(out);
+    line["waited"] = idem.metrics().waited > 0;  // another request held the key meanwhile
     line["outcome"] = out.source == Outcome::Source::replayed      ? "replayed"
                       : out.source == Outcome::Source::unprotected ? "unprotected"
                                                                    : "executed";

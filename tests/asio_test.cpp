@@ -119,7 +119,7 @@ TEST_CASE("asio: when the first fails, the waiting duplicate reserves and runs")
 }
 
 TEST_CASE(
-    "asio: a waiter takes over when the holder's lease expires; the stalled holder is fenced") {
+    "asio: a waiter takes over when the holder's lease expires, the stalled holder is fenced") {
   World w({.in_flight = InFlight::wait, .lease = 1s, .heartbeat = 0ms});
   net::io_context io;
   Reply stalled, waiter;
@@ -228,4 +228,46 @@ TEST_CASE(
   const auto ops = stats.ops - stats_before.ops;
   CHECK(ops >= 60);  // 30 reservations that won, 30 completions, and the losers' tries
   CHECK(transactions * 10 <= ops);  // committed together, not one by one
+}
+
+TEST_CASE(
+    "asio: a look that fails while waiting is logged, the waiter keeps waiting and never runs "
+    "unprotected") {
+  // The holder is another "process" (its own coordinator): the waiter polls. From t=60 to
+  // t=120 ms every look fails; the waiter must neither give up nor run the action.
+  std::vector<std::string> events;
+  World w({.in_flight = InFlight::wait,
+           .log = [&](const idem::LogEvent& e) { events.emplace_back(e.event); }});
+  idem::Coordinator other(std::make_shared<idem::SqliteStore>(w.db_path),
+                          {.in_flight = InFlight::wait, .clock = w.clock});
+  w.clock->call_at(w.t(60), [&] { w.faulty->fail(idem::sim::Operation::load); });
+  w.clock->call_at(w.t(120), [&] { w.faulty->fail(idem::sim::Operation::load, false); });
+  net::io_context io;
+  Reply first, second;
+  spawn(io, client(w, other, request("k1"), 0ms, first));
+  spawn(io, client(w, *w.idem, request("k1"), 50ms, second));
+  idem::sim::run(io, *w.clock);
+  CHECK(first.text == "ch_1");
+  CHECK(second.text == "ch_1");
+  CHECK(second.source == Outcome::Source::replayed);
+  CHECK(std::count(events.begin(), events.end(), "wait_poll_failed") >= 2);
+  const idem::MetricsSnapshot m = w.idem->metrics();
+  CHECK(m.store_errors >= 2);
+  CHECK(m.ran_unprotected == 0);
+  CHECK(w.provider->charge_count() == 1);
+}
+
+TEST_CASE(
+    "asio: by default a duplicate waits 10 s (max_wait) for a stuck holder, then InProgress") {
+  // The holder reserved from another process and hangs (its lease is the default 30 s).
+  World w;
+  w.store->reserve({"alpha", "payment.charge", "k1"}, request("k1").fingerprint, w.clock->now(),
+                   w.clock->now() + 30s);
+  net::io_context io;
+  Reply reply;
+  spawn(io, client(w, *w.idem, request("k1"), 0ms, reply));
+  idem::sim::run(io, *w.clock);
+  CHECK(reply.text == "InProgress");
+  CHECK(reply.at_ms == 10000);
+  CHECK(w.provider->charge_count() == 0);
 }

@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "idem/http.hpp"
+#include "idem/store_wrapper.hpp"
 #include "idem/typed.hpp"
 #include "test_support.hpp"
 
@@ -58,7 +60,7 @@ TEST_CASE("coordinator: a business rejection (402) is an outcome, stored and rep
   CHECK(w.charges() == 0);
 }
 
-TEST_CASE("coordinator: an exception from the action releases the key; the retry really runs") {
+TEST_CASE("coordinator: an exception from the action releases the key, the retry really runs") {
   World w = blocking_world();
   w.provider->inject(idem::sim::Fault::timeout);
   CHECK_THROWS_AS(w.idem->call(request("k1"), w.charge_action()), idem::sim::ProviderTimeout);
@@ -204,15 +206,39 @@ TEST_CASE("coordinator: a completed record lives for its TTL, then the key is ne
   CHECK(w.idem->ttl_for("order.cancel") == 2min);
 }
 
-TEST_CASE("coordinator: purge deletes expired records in batches and counts them") {
-  World w = blocking_world({.ttl = 1min});
-  for (int i = 0; i < 7; ++i) w.idem->call(request("k" + std::to_string(i)), w.charge_action(0ms));
-  CHECK(w.idem->purge_expired(3) == 0);
+namespace {
+
+// Records what purge_expired() and reap() asked of the store and got.
+struct RecordingStore final : idem::StoreWrapper {
+  using StoreWrapper::StoreWrapper;
+  std::vector<std::pair<std::size_t, std::size_t>> purges;  // (limit, deleted)
+  std::size_t purge_expired(idem::TimePoint now, std::size_t limit) override {
+    const std::size_t n = StoreWrapper::purge_expired(now, limit);
+    purges.emplace_back(limit, n);
+    return n;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("coordinator: purge deletes expired records in bounded batches and counts them") {
+  World w = blocking_world();
+  auto recording = std::make_shared<RecordingStore>(w.store);
+  idem::Coordinator idem(recording, {.ttl = 1min, .clock = w.clock});
+  for (int i = 0; i < 7; ++i) idem.call(request("k" + std::to_string(i)), w.charge_action(0ms));
+  CHECK(idem.purge_expired(3) == 0);
+  CHECK(recording->purges == std::vector<std::pair<std::size_t, std::size_t>>{{3, 0}});
+  recording->purges.clear();
   w.clock->advance(1min);
-  CHECK(w.idem->purge_expired(3) == 7);
-  CHECK(w.idem->metrics().purged == 7);
+  CHECK(idem.purge_expired(3) == 7);
+  // Each batch is its own short statement of at most 3 deletions; the short one ends it.
+  CHECK(recording->purges ==
+        std::vector<std::pair<std::size_t, std::size_t>>{{3, 3}, {3, 3}, {3, 1}});
+  CHECK(idem.metrics().purged == 7);
   idem::test::RawDb raw(w.db_path);
   CHECK(raw.rows() == 0);
+  CHECK_THROWS_AS(idem.purge_expired(0), idem::error);
+  CHECK_THROWS_AS(idem.reap(0), idem::error);
 }
 
 TEST_CASE("coordinator: the reaper reports and clears reservations whose lease is long gone") {
@@ -252,7 +278,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "coordinator: a zombie whose lease was taken over gets LeaseLost; the new owner's result "
+    "coordinator: a zombie whose lease was taken over gets LeaseLost, the new owner's result "
     "stands") {
   World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
   std::string new_owner;
@@ -277,17 +303,28 @@ TEST_CASE(
   CHECK(m.lease_lost == 1);
 }
 
-TEST_CASE("coordinator: a zombie cannot release the new owner's reservation either") {
+TEST_CASE(
+    "coordinator: a zombie whose action failed cannot release the new owner's reservation: "
+    "LeaseLost") {
   World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
-  CHECK_THROWS_AS(w.idem->call(request("k1"),
-                               [&]() -> Response {
-                                 w.clock->advance(31s);
-                                 w.idem->call(request("k1"), w.charge_action());
-                                 throw std::runtime_error("zombie fails");
-                               }),
-                  std::runtime_error);
-  CHECK(w.idem->metrics().lease_lost == 1);
-  CHECK(w.store->load({"alpha", "payment.charge", "k1"})->state == idem::State::completed);
+  std::int64_t zombie_token = 0;
+  try {
+    w.idem->call(request("k1"), [&]() -> Response {
+      zombie_token = w.store->load({"alpha", "payment.charge", "k1"})->token;
+      w.clock->advance(31s);
+      w.idem->call(request("k1"), w.charge_action());  // a retry takes over and charges
+      throw std::runtime_error("zombie fails");
+    });
+    FAIL("no error");
+  } catch (const idem::LeaseLostError& e) {
+    CHECK(e.token() == zombie_token);
+  }
+  const idem::MetricsSnapshot m = w.idem->metrics();
+  CHECK(m.lease_lost == 1);
+  CHECK(m.released == 0);
+  const auto record = w.store->load({"alpha", "payment.charge", "k1"});
+  CHECK(record->state == idem::State::completed);  // the new owner's record stands
+  CHECK(record->token > zombie_token);
   CHECK(w.idem->call(request("k1"), w.charge_action()).replayed());
   CHECK(w.charges() == 1);
 }
@@ -357,7 +394,7 @@ TEST_CASE("coordinator: an unwritable store fails open or closed as configured")
 }
 
 TEST_CASE(
-    "coordinator: a store failure after the action keeps the key reserved; a derived key keeps the "
+    "coordinator: a store failure after the action keeps the key reserved, a derived key keeps the "
     "retry single-charge") {
   World w = blocking_world({.lease = 30s, .heartbeat = 0ms});
   const std::string downstream = idem::derived_key({"alpha", "payment.charge", "k1"}, "charge");
@@ -408,7 +445,8 @@ TEST_CASE("coordinator: InFlight::run replays sequential duplicates like a cache
   CHECK(w.charges() == 1);
 }
 
-TEST_CASE("coordinator: log events carry a short hash, never the key") {
+TEST_CASE("coordinator: log events name each decision and carry a short hash, never the key") {
+  std::vector<std::string> events;
   std::vector<std::string> lines;
   std::mutex mutex;
   World w = blocking_world(
@@ -417,23 +455,29 @@ TEST_CASE("coordinator: log events carry a short hash, never the key") {
        .heartbeat = 0ms,
        .log = [&](const idem::LogEvent& e) {
          std::lock_guard lock(mutex);
+         events.emplace_back(e.event);
          lines.push_back(fmt::format("{} {} {} {}", e.event, e.key_hash, e.operation, e.message));
        }});
   const std::string secret = "cust-42-jane.doe@example.com";
   w.provider->inject(idem::sim::Fault::timeout);
-  CHECK_THROWS(w.idem->call(request(secret), w.charge_action()));  // released
-  CHECK_THROWS_AS(
-      w.idem->call(request(secret),
-                   [&] {                                                              // reserved
-                     CHECK_THROWS(w.idem->call(request(secret), w.charge_action()));  // in_progress
-                     CHECK_THROWS(
-                         w.idem->call(request(secret, 5), w.charge_action()));  // key_reuse
-                     w.clock->advance(2s);
-                     w.idem->call(request(secret), w.charge_action());  // taken_over
-                     return w.charge_action()();
-                   }),
-      idem::LeaseLostError);  // lease_lost
-  REQUIRE(lines.size() >= 5);
+  CHECK_THROWS_AS(w.idem->call(request(secret), w.charge_action()), idem::sim::ProviderTimeout);
+  CHECK_THROWS_AS(w.idem->call(request(secret),
+                               [&] {
+                                 CHECK_THROWS_AS(w.idem->call(request(secret), w.charge_action()),
+                                                 idem::InProgressError);
+                                 CHECK_THROWS_AS(
+                                     w.idem->call(request(secret, 5), w.charge_action()),
+                                     idem::KeyReuseError);
+                                 w.clock->advance(2s);
+                                 w.idem->call(request(secret), w.charge_action());
+                                 return w.charge_action()();
+                               }),
+                  idem::LeaseLostError);
+  CHECK(events == std::vector<std::string>{"reserved", "released",      // the timeout
+                                           "reserved",                  // the zombie-to-be
+                                           "in_progress", "key_reuse",  // two refusals
+                                           "taken_over", "completed",   // the new owner
+                                           "lease_lost"});              // the zombie
   for (const std::string& line : lines) {
     CHECK_MESSAGE(line.find(secret) == std::string::npos, line);
     CHECK_MESSAGE(
@@ -531,4 +575,152 @@ TEST_CASE("coordinator: typed results round-trip through JSON, including null an
   idem::call<void>(*w.idem, request("t3"), [&] { ++ran; });
   CHECK(idem::call<void>(*w.idem, request("t3"), [&] { ++ran; }).replayed());
   CHECK(ran == 3);
+}
+
+TEST_CASE("coordinator: a 409 and a 422 leave the record exactly as it was") {
+  World w = blocking_world({.in_flight = InFlight::raise});
+  const idem::KeyId id{"alpha", "payment.charge", "k1"};
+  w.idem->call(request("k1"), [&] {
+    const idem::Record before = *w.store->load(id);
+    w.clock->advance(50ms);
+    try {
+      w.idem->call(request("k1"), w.charge_action());
+      FAIL("no InProgress");
+    } catch (const idem::InProgressError& e) {
+      CHECK(e.retry_after() == 30s - 50ms);  // the holder's lease, to the millisecond
+      const Response http = idem::to_http(e);
+      CHECK(http.status == 409);
+      CHECK(std::find(http.headers.begin(), http.headers.end(),
+                      idem::Header{"Retry-After", "30"}) != http.headers.end());
+    }
+    CHECK_THROWS_AS(w.idem->call(request("k1", 5), w.charge_action()), idem::KeyReuseError);
+    const idem::Record after = *w.store->load(id);
+    CHECK(after.state == before.state);
+    CHECK(after.token == before.token);
+    CHECK(after.fingerprint == before.fingerprint);
+    CHECK(after.lease_until == before.lease_until);
+    CHECK(after.created_at == before.created_at);
+    CHECK(after.expires_at == before.expires_at);
+    return w.charge_action(250ms)();
+  });
+  CHECK(w.charges() == 1);
+}
+
+TEST_CASE("coordinator: Retry-After is whole seconds rounded up, never below 1") {
+  auto retry_after = [](std::chrono::milliseconds left) {
+    for (const idem::Header& h : idem::to_http(idem::InProgressError(left)).headers) {
+      if (h.name == "Retry-After") return h.value;
+    }
+    return std::string("none");
+  };
+  CHECK(retry_after(29950ms) == "30");
+  CHECK(retry_after(30000ms) == "30");
+  CHECK(retry_after(30001ms) == "31");
+  CHECK(retry_after(1ms) == "1");
+  CHECK(retry_after(-5s) == "1");  // a lease that ended while we looked
+}
+
+TEST_CASE(
+    "coordinator: Outcome::expires_at is the record's TTL end, replayed alike, epoch when nothing "
+    "was stored") {
+  World w = blocking_world({.ttl = 2h});
+  const idem::TimePoint t0 = w.clock->now();
+  const Outcome first = w.idem->call(request("k1"), w.charge_action(300ms));
+  CHECK(first.expires_at == t0 + 300ms + 2h);  // completed after the action's 300 ms
+  CHECK(w.store->load({"alpha", "payment.charge", "k1"})->expires_at == first.expires_at);
+  w.clock->advance(1h);
+  const Outcome replay = w.idem->call(request("k1"), w.charge_action());
+  CHECK(replay.replayed());
+  CHECK(replay.expires_at == first.expires_at);
+  w.faulty->fail(idem::sim::Operation::complete);
+  CHECK(w.idem->call(request("k2"), w.charge_action()).expires_at == idem::TimePoint{});
+  w.faulty->set_unreachable(true);
+  const Outcome unprotected = w.idem->call(request("k3"), w.charge_action());
+  CHECK(unprotected.source == Outcome::Source::unprotected);
+  CHECK(unprotected.expires_at == idem::TimePoint{});
+}
+
+TEST_CASE(
+    "coordinator: the defaults are TTL 24 h, lease 30 s, heartbeat 10 s, max_wait 10 s, reap_after "
+    "5 min") {
+  const idem::Options o;
+  CHECK(o.in_flight == InFlight::wait);
+  CHECK(o.ttl == 24h);
+  CHECK(o.lease == 30s);
+  CHECK(o.heartbeat == 10s);
+  CHECK(o.max_wait == 10s);
+  CHECK(o.poll_initial == 1ms);
+  CHECK(o.poll_max == 8ms);
+  CHECK(o.reap_after == 5min);
+  CHECK(o.on_store_failure == idem::FailureMode::fail_open);
+  CHECK(o.missing_key == idem::MissingKey::reject);
+  CHECK(o.inline_body_limit == 0);
+
+  // And they act: a reservation holds 30 s, a heartbeat at 10 s moves it to 40 s, a
+  // completion is remembered 24 h, and the reaper waits 5 min after a lease's end.
+  World w = blocking_world();
+  const idem::KeyId id{"alpha", "payment.charge", "k1"};
+  const idem::TimePoint t0 = w.clock->now();
+  const Outcome out = w.idem->call(request("k1"), [&] {
+    CHECK(w.store->load(id)->lease_until == t0 + 30s);
+    w.clock->advance(9999ms);
+    CHECK(w.store->load(id)->lease_until == t0 + 30s);
+    w.clock->advance(1ms);  // the heartbeat, 10 s in
+    CHECK(w.store->load(id)->lease_until == t0 + 40s);
+    return w.charge_action(0ms)();
+  });
+  CHECK(out.expires_at == t0 + 10s + 24h);
+  w.store->reserve({"alpha", "payment.charge", "dead"}, request("dead").fingerprint, w.clock->now(),
+                   w.clock->now() + 30s);
+  w.clock->advance(30s + 5min);
+  CHECK(w.idem->reap().empty());  // exactly reap_after past the lease: not yet
+  w.clock->advance(1ms);
+  CHECK(w.idem->reap().size() == 1);
+}
+
+TEST_CASE("coordinator: a failed renewal is logged and retried, the next one keeps the lease") {
+  std::vector<std::string> events;
+  World w = blocking_world({.in_flight = InFlight::raise,
+                            .lease = 1s,
+                            .heartbeat = 300ms,
+                            .log = [&](const idem::LogEvent& e) { events.emplace_back(e.event); }});
+  const Outcome out = w.idem->call(request("k1"), [&] {
+    w.faulty->fail(idem::sim::Operation::renew);
+    w.clock->advance(700ms);  // renewals at 300 and 600 ms fail
+    w.faulty->fail(idem::sim::Operation::renew, false);
+    w.clock->advance(300ms);  // the one at 900 ms moves the lease to 1.9 s
+    w.clock->advance(600ms);
+    // 1.5 s in: without the retried renewal the lease would have ended at 1 s.
+    CHECK_THROWS_AS(w.idem->call(request("k1"), w.charge_action()), idem::InProgressError);
+    return w.charge_action(0ms)();
+  });
+  CHECK(out.source == Outcome::Source::executed);
+  CHECK(std::count(events.begin(), events.end(), "renew_failed") == 2);
+  CHECK(w.idem->metrics().store_errors == 2);
+  CHECK(w.idem->metrics().lease_lost == 0);
+  CHECK(w.charges() == 1);
+}
+
+TEST_CASE(
+    "coordinator: a failed release is logged, the action's error propagates and the key stays "
+    "reserved until its lease ends") {
+  std::vector<std::string> events;
+  World w = blocking_world({.lease = 30s, .heartbeat = 0ms, .log = [&](const idem::LogEvent& e) {
+                              events.emplace_back(e.event);
+                            }});
+  w.faulty->fail(idem::sim::Operation::release);
+  w.provider->inject(idem::sim::Fault::timeout);
+  CHECK_THROWS_AS(w.idem->call(request("k1"), w.charge_action()), idem::sim::ProviderTimeout);
+  CHECK(std::count(events.begin(), events.end(), "release_failed") == 1);
+  CHECK(w.idem->metrics().store_errors == 1);
+  CHECK(w.idem->metrics().released == 0);
+  w.faulty->fail(idem::sim::Operation::release, false);
+  CHECK(w.store->load({"alpha", "payment.charge", "k1"})->state == idem::State::in_progress);
+  idem::Request retry = request("k1");
+  retry.in_flight = InFlight::raise;
+  CHECK_THROWS_AS(w.idem->call(retry, w.charge_action()), idem::InProgressError);
+  CHECK(w.charges() == 0);
+  w.clock->advance(30s);  // the lease ends: the retry takes over and really runs
+  CHECK(w.idem->call(retry, w.charge_action()).source == Outcome::Source::executed);
+  CHECK(w.charges() == 1);
 }

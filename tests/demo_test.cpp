@@ -38,7 +38,7 @@ TEST_CASE("demo: key reuse replays the same amount and refuses amount 5, one cha
   CHECK(k.charges_after_other == 1);
 }
 
-TEST_CASE("demo: a provider timeout is not cached; the retry charges once") {
+TEST_CASE("demo: a provider timeout is not cached, the retry charges once") {
   const demo::FailureNotCached f = demo::failure_not_cached();
   CHECK(f.first == "provider timed out");
   CHECK(f.second == "ch_1");

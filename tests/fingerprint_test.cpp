@@ -40,7 +40,7 @@ TEST_CASE("fingerprint: only the named significant fields count") {
   CHECK(fp(first).hex() == "15b962f88cc8b64b9454746eeecd18c4a939996a67420574c67d8099a660fe13");
 }
 
-TEST_CASE("fingerprint: types are significant; a missing field differs from null") {
+TEST_CASE("fingerprint: types are significant, a missing field differs from null") {
   auto of = [](const char* text) { return idem::Fingerprint::of(json::parse(text)); };
   CHECK(of(R"({"amount":5})") != of(R"({"amount":5.0})"));
   CHECK(of(R"({"amount":5})") != of(R"({"amount":"5"})"));

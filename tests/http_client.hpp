@@ -2,12 +2,16 @@
 // for sending bytes that are not HTTP at all.
 #pragma once
 
+#include <poll.h>
+#include <sys/socket.h>
 #include <utility>
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <cerrno>
+#include <chrono>
 #include <map>
 #include <string>
 #include <vector>
@@ -71,25 +75,38 @@ class HttpClient {
   beast::tcp_stream stream_;
 };
 
+// What a raw exchange saw: the bytes the server sent, and whether the server closed the
+// connection (false: the client gave up after 5 s of silence, the server still holding it).
+struct RawReply {
+  std::string bytes;
+  bool closed_by_server = false;
+};
+
 // Sends `bytes` on a fresh connection, optionally half-closes, and returns everything the
-// server sends until it closes (or 5 s pass).
-inline std::string raw_exchange(unsigned short port, const std::string& bytes, bool half_close) {
+// server sends until it closes (or 5 s pass without a byte).
+inline RawReply raw_exchange(unsigned short port, const std::string& bytes, bool half_close) {
   net::io_context io;
   net::ip::tcp::socket s(io);
   s.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
-  struct timeval tv {
-    5, 0
-  };
-  ::setsockopt(s.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   beast::error_code ec;
   net::write(s, net::buffer(bytes), ec);
   if (half_close) s.shutdown(net::ip::tcp::socket::shutdown_send, ec);
-  std::string out;
+  RawReply out;
+  // A bound on a server that never answers nor closes (a failure, not a measurement): plain
+  // poll(2), since Asio's blocking reads ignore SO_RCVTIMEO.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   char buf[4096];
   for (;;) {
-    const std::size_t n = s.read_some(net::buffer(buf), ec);
-    if (ec) break;
-    out.append(buf, n);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        give_up - std::chrono::steady_clock::now());
+    pollfd p{s.native_handle(), POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+    const ssize_t n = ::recv(s.native_handle(), buf, sizeof buf, 0);
+    if (n <= 0) {
+      out.closed_by_server = n == 0 || errno == ECONNRESET;
+      break;
+    }
+    out.bytes.append(buf, static_cast<std::size_t>(n));
   }
   return out;
 }

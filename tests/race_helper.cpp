@@ -1,6 +1,7 @@
 // A separate process for the cross-process race test: waits for the start signal (one byte
 // on a file descriptor it inherited), makes one call through the coordinator with real time,
-// and prints one JSON line: {"outcome": "executed"|"replayed"|"in_progress"|..., "charge_id": ...}.
+// and prints one JSON line: {"outcome": "executed"|"replayed"|"in_progress"|..., "charge_id": ...,
+// "waited": true|false}.
 //
 //   idem_race_helper DB LEDGER KEY START_FD LATENCY_MS
 #include <unistd.h>
@@ -48,6 +49,9 @@ int main(int argc, char** argv) {
     line["outcome"] = std::string(idem::to_string(e.code()));
     line["error"] = e.what();
   }
+  // Whether this process found the key held by another and waited: the proof that the
+  // processes really overlapped.
+  line["waited"] = idem.metrics().waited > 0;
   std::cout << line.dump() << std::endl;
   return 0;
 }

@@ -121,6 +121,7 @@ TEST_CASE("race: 16 threads on the blocking API, one key, 100 rounds") {
 
 TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
   idem::test::TempDir dir;
+  int waited = 0;  // processes that found the key held by another: proof that they overlapped
   const std::string helper = IDEM_RACE_HELPER;
   for (int round = 0; round < 25; ++round) {
     const std::string db = dir.file("keys.db");  // shared by every round: a new key each time
@@ -164,6 +165,7 @@ TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
       const auto line = nlohmann::json::parse(in);
       CAPTURE(line.dump());
       if (line.at("outcome") == "executed") ++executed;
+      if (line.at("waited") == true) ++waited;
       REQUIRE(line.at("charge_id") == "ch_1");
     }
     REQUIRE(executed == 1);
@@ -171,4 +173,5 @@ TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
     idem::sim::Provider statement(clock, {.ledger_path = ledger});
     REQUIRE(statement.charge_count() == 1);
   }
+  CHECK(waited > 0);
 }

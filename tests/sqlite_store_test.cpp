@@ -53,7 +53,7 @@ long long raw_rows(const TempDir& dir) {
 
 }  // namespace
 
-TEST_CASE("sqlite_store: reserve makes an in_progress record; a second reserve sees it") {
+TEST_CASE("sqlite_store: reserve makes an in_progress record, a second reserve sees it") {
   TempDir dir;
   idem::SqliteStore s(dir.file("k.db"));
   const Reservation first = reserve_at(s, T0);
@@ -104,7 +104,7 @@ TEST_CASE("sqlite_store: complete needs the current token and stores the respons
 }
 
 TEST_CASE(
-    "sqlite_store: an expired lease is taken over with a larger token; the zombie is fenced") {
+    "sqlite_store: an expired lease is taken over with a larger token, the zombie is fenced") {
   TempDir dir;
   idem::SqliteStore s(dir.file("k.db"));
   const Reservation first = reserve_at(s, T0);

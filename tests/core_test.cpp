@@ -1,0 +1,181 @@
+// White-box tests of lib/src units that no public call shows one by one: the decision table
+// (decide.hpp), the group commit (group_commit.hpp), and the benchmark floor's SQL against
+// idem's. (The one test file allowed to include lib/src headers.)
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <latch>
+#include <thread>
+
+#include "../lib/src/decide.hpp"
+#include "../lib/src/group_commit.hpp"
+#include "../lib/src/sql.hpp"
+#include "bench/floor_sql.hpp"
+#include "idem/store_wrapper.hpp"
+#include "test_support.hpp"
+
+using namespace std::chrono_literals;
+using idem::FailureMode;
+using idem::InFlight;
+using idem::detail::decide;
+using idem::detail::Decision;
+using idem::detail::Found;
+
+namespace {
+
+const idem::TimePoint kNow = idem::sim::kSimulationStart;
+
+idem::detail::Call call_with(InFlight policy, long long amount = 4990) {
+  idem::detail::Call c;
+  c.id = {"alpha", "payment.charge", "k1"};
+  c.fingerprint = idem::test::request("k1", amount).fingerprint;
+  c.policy = policy;
+  return c;
+}
+
+idem::Record record(idem::State state) {
+  idem::Record r;
+  r.fingerprint = idem::test::request("k1").fingerprint;
+  r.state = state;
+  r.token = 7;
+  r.lease_until = kNow + 30s;
+  r.expires_at = kNow + 30s;
+  return r;
+}
+
+Decision on(const Found& f, InFlight policy, FailureMode mode = FailureMode::fail_open,
+            idem::TimePoint give_up = kNow + 10s, long long amount = 4990) {
+  return decide(f, call_with(policy, amount), mode, kNow, give_up);
+}
+
+}  // namespace
+
+TEST_CASE("decide: SPEC §4, row by row") {
+  const idem::Record running = record(idem::State::in_progress);
+  const idem::Record done = record(idem::State::completed);
+  const Found live_running{Found::Kind::live, &running};
+  const Found live_done{Found::Kind::live, &done};
+  for (InFlight p : {InFlight::run, InFlight::wait, InFlight::raise}) {
+    CAPTURE(idem::to_string(p));
+    // Nothing live: the cache runs bare, the others reserve.
+    CHECK(on({Found::Kind::nothing_live}, p) ==
+          (p == InFlight::run ? Decision::run_unreserved : Decision::reserve));
+    // A completed record replays under every policy; another fingerprint is KeyReuse first.
+    CHECK(on(live_done, p) == Decision::replay);
+    CHECK(on(live_done, p, FailureMode::fail_open, kNow + 10s, 5) == Decision::key_reuse);
+    CHECK(on(live_running, p, FailureMode::fail_open, kNow + 10s, 5) == Decision::key_reuse);
+    // The reservation was written: run holding the key.
+    CHECK(on({Found::Kind::owned}, p) == Decision::run_reserved);
+    // No key: run without the store. The store failed: as configured.
+    CHECK(on({Found::Kind::no_key}, p) == Decision::run_unprotected);
+    CHECK(on({Found::Kind::store_failed}, p) == Decision::run_unprotected);
+    CHECK(on({Found::Kind::store_failed}, p, FailureMode::fail_closed) ==
+          Decision::store_unavailable);
+  }
+  // In progress: the table's three rows.
+  CHECK(on(live_running, InFlight::run) == Decision::run_unreserved);
+  CHECK(on(live_running, InFlight::wait) == Decision::wait);
+  CHECK(on(live_running, InFlight::raise) == Decision::in_progress);
+  // A wait that has run out.
+  CHECK(on(live_running, InFlight::wait, FailureMode::fail_open, kNow) == Decision::in_progress);
+}
+
+namespace {
+
+// Counts apply() calls and the ops they carried; can run a hook inside the first apply().
+struct CountingStore final : idem::StoreWrapper {
+  using StoreWrapper::StoreWrapper;
+  std::atomic<int> applies{0}, ops{0};
+  std::function<void()> during_first_apply;
+  void apply(std::span<idem::StoreOp* const> batch) override {
+    if (applies.fetch_add(1) == 0 && during_first_apply) during_first_apply();
+    ops += static_cast<int>(batch.size());
+    StoreWrapper::apply(batch);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("group commit: writes queued together commit in one apply, the next leader is told") {
+  auto sqlite = std::make_shared<idem::SqliteStore>(":memory:");
+  auto store = std::make_shared<CountingStore>(sqlite);
+  idem::detail::GroupCommit commits(*store);
+  const idem::Fingerprint fp = idem::test::request("k").fingerprint;
+  std::vector<idem::KeyId> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back({"alpha", "op", "k" + std::to_string(i)});
+  std::vector<idem::StoreOp> ops(6);
+  for (int i = 0; i < 6; ++i) {
+    ops[static_cast<std::size_t>(i)] = idem::StoreOp{.kind = idem::StoreOp::Kind::reserve,
+                                                     .id = &ids[static_cast<std::size_t>(i)],
+                                                     .fingerprint = &fp,
+                                                     .now = kNow,
+                                                     .lease_until = kNow + 30s};
+  }
+  std::vector<std::string> heard;
+  auto listener = [&heard](std::string name) {
+    return [&heard, name](idem::detail::GroupCommit::Signal s) {
+      heard.push_back(
+          name + (s == idem::detail::GroupCommit::Signal::committed ? " committed" : " leads"));
+    };
+  };
+  CHECK(commits.enqueue(ops[0], listener("w0")));  // nobody leads: w0 will
+  for (int i = 1; i < 5; ++i)
+    CHECK_FALSE(
+        commits.enqueue(ops[static_cast<std::size_t>(i)], listener("w" + std::to_string(i))));
+  // A write that arrives while the batch commits waits for the next one, led by its writer.
+  store->during_first_apply = [&] { CHECK_FALSE(commits.enqueue(ops[5], listener("w5"))); };
+  commits.lead();
+  CHECK(store->applies == 1);
+  CHECK(store->ops == 5);
+  CHECK(heard == std::vector<std::string>{"w0 committed", "w1 committed", "w2 committed",
+                                          "w3 committed", "w4 committed", "w5 leads"});
+  for (int i = 0; i < 5; ++i) {
+    CHECK_FALSE(ops[static_cast<std::size_t>(i)].error);
+    CHECK(ops[static_cast<std::size_t>(i)].reservation.kind == idem::Reservation::Kind::reserved);
+  }
+  commits.lead();  // w5's turn: one batch of its own, and nobody is left to lead
+  CHECK(store->applies == 2);
+  CHECK(heard.back() == "w5 committed");
+  CHECK(commits.enqueue(ops[0], listener("again")));  // the lead is free again
+}
+
+TEST_CASE("group commit: threads that write at once share transactions, each op applied once") {
+  idem::test::TempDir dir;
+  auto sqlite = std::make_shared<idem::SqliteStore>(dir.file("g.db"));
+  idem::detail::GroupCommit commits(*sqlite);
+  const idem::Fingerprint fp = idem::test::request("k").fingerprint;
+  constexpr int kThreads = 8, kEach = 50;
+  std::latch start(kThreads);
+  std::atomic<int> reserved{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      start.arrive_and_wait();
+      for (int i = 0; i < kEach; ++i) {
+        const idem::KeyId id{"alpha", "op", std::to_string(t) + "-" + std::to_string(i)};
+        idem::StoreOp op{.kind = idem::StoreOp::Kind::reserve,
+                         .id = &id,
+                         .fingerprint = &fp,
+                         .now = kNow,
+                         .lease_until = kNow + 30s};
+        commits.commit(op);
+        if (!op.error && op.reservation.kind == idem::Reservation::Kind::reserved) ++reserved;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(reserved == kThreads * kEach);
+  const auto stats = sqlite->commit_stats();
+  CHECK(stats.ops == kThreads * kEach);
+  CHECK(stats.transactions < stats.ops);  // writers overlapped and were batched
+  idem::test::RawDb raw(dir.file("g.db"));
+  CHECK(raw.rows() == kThreads * kEach);
+}
+
+TEST_CASE("bench: the floor runs idem's own statements") {
+  CHECK(idem::bench::sql::kReserve == idem::sql::kReserve);
+  CHECK(idem::bench::sql::kComplete == idem::sql::kComplete);
+  CHECK(idem::bench::sql::kLoad == idem::sql::kLoad);
+  CHECK(idem::bench::sql::kSynchronousNormal == idem::sql::kSynchronousNormal);
+  CHECK(idem::bench::sql::kSynchronousFull == idem::sql::kSynchronousFull);
+}
