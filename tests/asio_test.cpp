@@ -271,3 +271,26 @@ TEST_CASE(
   CHECK(reply.at_ms == 10000);
   CHECK(w.provider->charge_count() == 0);
 }
+
+TEST_CASE("asio: looks that keep failing while waiting back off, and the wait ends at max_wait") {
+  // The holder (another process) died with a 100 ms lease; from t=50 ms on, every look of
+  // the waiter fails. It must not spin: it polls with backoff and gives up at max_wait.
+  std::vector<std::string> events;
+  World w({.in_flight = InFlight::wait, .max_wait = 1s, .log = [&](const idem::LogEvent& e) {
+             events.emplace_back(e.event);
+           }});
+  w.store->reserve({"alpha", "payment.charge", "k1"}, request("k1").fingerprint, w.clock->now(),
+                   w.clock->now() + 100ms);
+  w.clock->call_at(w.t(50), [&] { w.faulty->fail(idem::sim::Operation::load); });
+  net::io_context io;
+  Reply reply;
+  spawn(io, client(w, *w.idem, request("k1"), 0ms, reply));
+  idem::sim::run(io, *w.clock);
+  CHECK(reply.text == "InProgress");
+  CHECK(reply.at_ms == 1000);
+  const auto failed_looks = std::count(events.begin(), events.end(), "wait_poll_failed");
+  CHECK(failed_looks >= 100);  // about one every poll_max (8 ms) for 950 ms...
+  CHECK(failed_looks <= 130);  // ...and no more
+  CHECK(w.idem->metrics().ran_unprotected == 0);
+  CHECK(w.provider->charge_count() == 0);
+}

@@ -318,6 +318,8 @@ TEST_CASE(
     FAIL("no error");
   } catch (const idem::LeaseLostError& e) {
     CHECK(e.token() == zombie_token);
+    // The action's own failure rides along, nested.
+    CHECK_THROWS_WITH_AS(std::rethrow_if_nested(e), "zombie fails", std::runtime_error);
   }
   const idem::MetricsSnapshot m = w.idem->metrics();
   CHECK(m.lease_lost == 1);

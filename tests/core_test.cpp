@@ -139,6 +139,38 @@ TEST_CASE("group commit: writes queued together commit in one apply, the next le
   CHECK(commits.enqueue(ops[0], listener("again")));  // the lead is free again
 }
 
+TEST_CASE("group commit: a blocking writer never waits on a coroutine's round that does not run") {
+  // A coroutine's round is posted to its executor; that executor is stopped (or is the very
+  // thread now blocking). A blocking writer leads at once and commits both writes.
+  auto sqlite = std::make_shared<idem::SqliteStore>(":memory:");
+  auto store = std::make_shared<CountingStore>(sqlite);
+  idem::detail::GroupCommit commits(*store);
+  const idem::Fingerprint fp = idem::test::request("k").fingerprint;
+  const idem::KeyId a{"alpha", "op", "a"}, b{"alpha", "op", "b"};
+  idem::StoreOp posted{.kind = idem::StoreOp::Kind::reserve,
+                       .id = &a,
+                       .fingerprint = &fp,
+                       .now = kNow,
+                       .lease_until = kNow + 30s};
+  idem::StoreOp blocking{.kind = idem::StoreOp::Kind::reserve,
+                         .id = &b,
+                         .fingerprint = &fp,
+                         .now = kNow,
+                         .lease_until = kNow + 30s};
+  bool posted_committed = false;
+  CHECK(commits.enqueue(posted, [&](idem::detail::GroupCommit::Signal s) {
+    posted_committed = s == idem::detail::GroupCommit::Signal::committed;
+  }));                       // its round is "posted": lead() is never called
+  commits.commit(blocking);  // returns: it did not wait for the posted round
+  CHECK(store->applies == 1);
+  CHECK(store->ops == 2);
+  CHECK(posted_committed);
+  CHECK(posted.reservation.kind == idem::Reservation::Kind::reserved);
+  CHECK(blocking.reservation.kind == idem::Reservation::Kind::reserved);
+  commits.lead();  // the posted round, late: nothing left to do
+  CHECK(store->applies == 1);
+}
+
 TEST_CASE("group commit: threads that write at once share transactions, each op applied once") {
   idem::test::TempDir dir;
   auto sqlite = std::make_shared<idem::SqliteStore>(dir.file("g.db"));

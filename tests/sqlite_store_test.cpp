@@ -408,3 +408,32 @@ TEST_CASE(
   CHECK(raw.text("PRAGMA integrity_check") == "ok");
   CHECK(raw.rows() == written);
 }
+
+TEST_CASE(
+    "sqlite_store: a response header that is not UTF-8 fails its own completion, not its batch's") {
+  TempDir dir;
+  idem::SqliteStore s(dir.file("k.db"));
+  const idem::KeyId good{"alpha", "op", "good"}, bad{"alpha", "op", "bad"};
+  const Reservation rg = reserve_at(s, T0, kFp, good);
+  const Reservation rb = reserve_at(s, T0, kFp, bad);
+  const idem::StoredResponse ok{idem::Response{200, "fine", {{"X-Ok", "yes"}}}, ""};
+  const idem::StoredResponse latin1{idem::Response{200, "body", {{"X-Name", "caf\xe9"}}}, ""};
+  idem::StoreOp a{.kind = idem::StoreOp::Kind::complete,
+                  .id = &good,
+                  .expires_at = T0 + 1h,
+                  .token = rg.token,
+                  .response = &ok};
+  idem::StoreOp b{.kind = idem::StoreOp::Kind::complete,
+                  .id = &bad,
+                  .expires_at = T0 + 1h,
+                  .token = rb.token,
+                  .response = &latin1};
+  idem::StoreOp* ops[] = {&b, &a};
+  s.apply(ops);
+  CHECK(a.applied);
+  CHECK_FALSE(a.error);
+  REQUIRE(b.error);
+  CHECK_THROWS_AS(std::rethrow_exception(b.error), idem::StoreError);
+  CHECK(s.load(good)->state == idem::State::completed);
+  CHECK(s.load(bad)->state == idem::State::in_progress);
+}

@@ -26,7 +26,7 @@ Loaded read_record(Store& store, const KeyId& id) noexcept {
   Loaded out;
   try {
     out.record = store.load(id);
-  } catch (...) {
+  } catch (const StoreError&) {
     out.error = std::current_exception();
   }
   return out;
@@ -89,7 +89,7 @@ Effect Flow::after_read() {
       bump(core_.counters.store_errors);
       log(LogLevel::warning, "wait_poll_failed", describe(loaded_.error));
       if (t >= give_up_) return act(Decision::in_progress, nullptr, t);
-      return sleep(t);
+      return sleep(t, /*after_failed_look=*/true);
     }
     store_error_ = loaded_.error;
     return act(
@@ -202,7 +202,8 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
 Effect Flow::wait_for(const Record& holder, TimePoint now) {
   if (!std::exchange(waited_, true)) {
     bump(core_.counters.waited);
-    log(LogLevel::debug, "waiting", "another request holds the key; waiting for its outcome");
+    log(LogLevel::debug, "waiting", "another request holds the key; waiting for its outcome",
+        holder.token);
   }
   holder_lease_ = holder.lease_until;  // a heartbeat may have moved it
   if (subscribed_ && holder_ == holder.token) return sleep(now);
@@ -216,9 +217,11 @@ Effect Flow::wait_for(const Record& holder, TimePoint now) {
   return read();
 }
 
-Effect Flow::sleep(TimePoint now) {
-  TimePoint wake = std::min(give_up_, holder_lease_);
-  if (!holder_local_) {  // the holder is in another process: poll with growing backoff
+Effect Flow::sleep(TimePoint now, bool after_failed_look) {
+  // After a failed look the lease seen last says nothing (the holder may be renewing it, or
+  // the store may be down for everyone): look again after a poll interval, never at once.
+  TimePoint wake = after_failed_look ? give_up_ : std::min(give_up_, holder_lease_);
+  if (!holder_local_ || after_failed_look) {  // poll with growing backoff
     wake = std::min(wake, now + poll_);
     poll_ = std::min(poll_ * 2, core_.options.poll_max);
   }
@@ -324,7 +327,12 @@ Effect Flow::after_release() {
   if (!op_.applied) {
     bump(core_.counters.lease_lost);
     log(LogLevel::error, "lease_lost", "release refused: the lease was taken over");
-    throw LeaseLostError(token_);
+    // The action's own error rides along: std::rethrow_if_nested on the LeaseLostError.
+    try {
+      std::rethrow_exception(failure_);
+    } catch (...) {
+      std::throw_with_nested(LeaseLostError(token_));
+    }
   }
   bump(core_.counters.released);
   log(LogLevel::info, "released", "the action failed; the key is free for a retry");

@@ -82,7 +82,7 @@ class Flow {
   Effect write(Phase phase);
   Effect answer(Response response, Outcome::Source source, TimePoint expires_at);
   Effect wait_for(const Record& holder, TimePoint now);
-  Effect sleep(TimePoint now);
+  Effect sleep(TimePoint now, bool after_failed_look = false);
   Effect after_read();
   Effect after_reserve();
   Effect after_ran();

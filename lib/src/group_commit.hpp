@@ -3,9 +3,16 @@
 // and the coroutine front end both write through here, so a thread-per-request server and a
 // coroutine server batch alike.
 //
-// One writer at a time leads: it takes everything queued, applies it, tells each writer of
-// the batch, and hands the lead to the first writer that queued meanwhile. A leader commits
+// One round at a time commits: it takes everything queued, applies it, tells each writer of
+// the batch, and hands the next round to a writer that queued meanwhile. A leader commits
 // one batch and no more, so no caller carries others' writes for long.
+//
+// A blocking writer never depends on an event loop: if no round is running it leads at once
+// (even when a coroutine's round is posted but has not started), and a hand-off goes to a
+// queued blocking writer first. A coroutine writer posts its round to its executor, so every
+// coroutine that becomes ready in the same turn joins the batch; its ops may also be
+// committed by any other leader. The io_context of a coroutine that is waiting here must
+// outlive the wait (as for any Asio operation in progress).
 #pragma once
 
 #include <condition_variable>
@@ -24,33 +31,40 @@ class GroupCommit {
   GroupCommit(const GroupCommit&) = delete;
   GroupCommit& operator=(const GroupCommit&) = delete;
 
-  // What a queued writer is told: its op is committed (its results are in the op), or it
-  // must lead (call lead(), which commits its op with the rest of the queue).
+  // What a queued writer is told: its op is committed (its results are in the op), or it is
+  // to run the next round (blocking: call round() now; coroutine: post lead()).
   enum class Signal { committed, lead };
   // Called with the queue's lock held: must only record the signal or post work, never call
   // back into this GroupCommit.
   using Notify = std::function<void(Signal)>;
 
-  // Queues `op`. Returns true when no one leads: the caller leads and must call lead() (at
-  // once, or after gathering more writes); `notify` then only ever hears `committed`.
+  // For a blocking caller: queues `op`, leads a round or waits for one, and returns once
+  // `op` is committed.
+  void commit(StoreOp& op);
+
+  // For a coroutine: queues `op`; `notify` hears `committed` once it is, or `lead`. Returns
+  // true when the caller must post lead() itself (nobody commits or has a round posted).
   bool enqueue(StoreOp& op, Notify notify);
 
-  // Commits the queue's writes in one Store::apply, tells each writer, and hands the lead on.
+  // A posted round: commits what is queued unless a round is already running (which hands
+  // on to the queue when it ends) or nothing is queued.
   void lead() noexcept;
-
-  // For a blocking caller: enqueue, lead or wait, return once `op` is committed.
-  void commit(StoreOp& op);
 
  private:
   struct Pending {
     StoreOp* op;
     Notify notify;
+    bool blocking;  // a thread waiting in commit(), which can run a round at once
   };
+
+  // Runs one round; requires committing_ set by the caller. Returns with the lock released.
+  void round(std::unique_lock<std::mutex>& lock) noexcept;
 
   Store& store_;
   std::mutex mutex_;
   std::vector<Pending> queue_;  // guarded by mutex_
-  bool leading_ = false;        // guarded by mutex_: someone leads (or has been told to)
+  bool committing_ = false;     // guarded by mutex_: a round is running (or handed to a thread)
+  bool lead_posted_ = false;    // guarded by mutex_: a coroutine's round is posted, not started
 };
 
 }  // namespace idem::detail

@@ -38,7 +38,11 @@ std::string headers_to_json(const std::vector<Header>& headers) {
   if (headers.empty()) return {};
   nlohmann::json arr = nlohmann::json::array();
   for (const Header& h : headers) arr.push_back({h.name, h.value});
-  return arr.dump();
+  try {
+    return arr.dump();
+  } catch (const nlohmann::json::exception&) {
+    throw StoreError("sqlite: a response header is not valid UTF-8 and cannot be stored", 0);
+  }
 }
 
 void bind_response(sqlite::Statement& s, int first, const StoredResponse& r,

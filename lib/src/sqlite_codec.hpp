@@ -18,7 +18,8 @@ inline TimePoint at_ms(std::int64_t v) { return TimePoint(std::chrono::milliseco
 void bind_id(sqlite::Statement& s, const KeyId& id);
 void bind_fingerprint(sqlite::Statement& s, int index, const Fingerprint& fp);
 
-// The headers column's text (empty when there are no headers: stored as NULL).
+// The headers column's text (empty when there are no headers: stored as NULL). Throws
+// StoreError if a name or value is not valid UTF-8 (the column is JSON).
 std::string headers_to_json(const std::vector<Header>& headers);
 
 // Binds status ?first, headers ?first+1, body ?first+2, body_ref ?first+3. The strings

@@ -221,7 +221,7 @@ struct SqliteStore::Impl {
       transactions.fetch_add(1, std::memory_order_relaxed);
       committed_ops.fetch_add(ops.size(), std::memory_order_relaxed);
       return;
-    } catch (const StoreError&) {
+    } catch (...) {   // a StoreError, or anything else one op threw: never its neighbours' fault
       batch.reset();  // rolls back
     }
     for (StoreOp* op : ops) {
@@ -233,7 +233,7 @@ struct SqliteStore::Impl {
         single.commit();
         transactions.fetch_add(1, std::memory_order_relaxed);
         committed_ops.fetch_add(1, std::memory_order_relaxed);
-      } catch (const StoreError&) {
+      } catch (...) {
         op->error = std::current_exception();
       }
     }

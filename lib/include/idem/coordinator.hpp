@@ -82,9 +82,13 @@ class Coordinator {
   //                       under MissingKey::reject. Nothing ran, nothing stored.
   //   KeyReuseError     - a live record of this key has another fingerprint.
   //   InProgressError   - another request holds the key (InFlight::raise), or it still
-  //                       held it after max_wait (InFlight::wait).
+  //                       held it after max_wait (InFlight::wait). A look that fails while
+  //                       waiting (logged "wait_poll_failed", counted) does not end the wait:
+  //                       the holder was seen, so the call keeps polling and, past max_wait,
+  //                       ends here under either FailureMode.
   //   LeaseLostError    - the action ran (and returned or threw), but this caller's lease was
-  //                       taken over in the meantime; the new owner's record stands.
+  //                       taken over in the meantime; the new owner's record stands. If the
+  //                       action threw, its exception is nested (std::rethrow_if_nested).
   //   StoreError        - the store failed under FailureMode::fail_closed (action not run).
   // A store failure after the action ran is logged and counted, not thrown: the response
   // is returned and the key stays reserved until its lease ends.

@@ -17,8 +17,9 @@ struct Header {
 // responses: the action throws, the key is released and the exception propagates.
 struct Response {
   int status = 200;
-  std::string body;  // bytes, usually JSON; replayed byte for byte
-  std::vector<Header> headers;
+  std::string body;             // bytes, usually JSON; replayed byte for byte
+  std::vector<Header> headers;  // names and values in UTF-8 (SqliteStore keeps them as JSON;
+                                // other bytes make completing fail with StoreError)
   friend bool operator==(const Response&, const Response&) = default;
 };
 
