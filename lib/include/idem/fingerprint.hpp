@@ -33,10 +33,13 @@ class Fingerprint {
   static Fingerprint of(const nlohmann::json& fields);
 
   // From a whole request: picks `significant` fields out of `request` (an object).
+  // Throws idem::error(errc::invalid_argument) if `request` is not an object or a picked
+  // field holds a string that is not valid UTF-8. Fields not named are never looked at.
   static Fingerprint of(const nlohmann::json& request,
                         std::initializer_list<std::string_view> significant);
 
-  // From already canonical bytes (a caller with its own encoding). Prefixed like v1.
+  // From already canonical bytes (a caller with its own encoding). Prefixed like v1. Any
+  // bytes are accepted; throws only what allocation throws.
   static Fingerprint of_bytes(std::string_view canonical);
 
   const Bytes& bytes() const noexcept { return bytes_; }
