@@ -7,9 +7,7 @@
 
 namespace idem::bench::sql {
 
-inline constexpr std::string_view kBeginImmediate = "BEGIN IMMEDIATE";
-inline constexpr std::string_view kBegin = "BEGIN";
-inline constexpr std::string_view kCommit = "COMMIT";
+// Transactions are the wrappers' (sqlite::Transaction: BEGIN IMMEDIATE ... COMMIT).
 inline constexpr std::string_view kSynchronousNormal = "PRAGMA synchronous=NORMAL";
 inline constexpr std::string_view kSynchronousFull = "PRAGMA synchronous=FULL";
 inline constexpr std::string_view kSynchronousOff = "PRAGMA synchronous=OFF";

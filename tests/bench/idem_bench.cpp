@@ -92,8 +92,7 @@ class Floor {
     sqlite::exec(db_.get(),
                  sync == Synchronous::full ? sql::kSynchronousFull : sql::kSynchronousNormal);
     // Default checkpointing (wal_autocheckpoint=1000), as any naive user would have.
-    begin_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kBeginImmediate);
-    commit_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kCommit);
+    tx_ = std::make_unique<sqlite::TransactionStatements>(db_.get());
     reserve_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kReserve);
     complete_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kComplete);
     load_ = std::make_unique<sqlite::Statement>(db_.get(), sql::kLoad);
@@ -102,7 +101,7 @@ class Floor {
   // One protected call done naively: the reservation in one transaction, the completion in a
   // second.
   void call(const std::string& key, const std::string& body, std::int64_t now_ms) {
-    step(*begin_);
+    sqlite::Transaction reservation(*tx_);
     reserve_->bind(1, kTenant);
     reserve_->bind(2, kOperation);
     reserve_->bind(3, key);
@@ -113,7 +112,7 @@ class Floor {
     reserve_->step();
     const std::int64_t token = reserve_->changes() == 1 ? now_ms : 0;
     reserve_->reset();
-    step(*commit_);
+    reservation.commit();
     complete_->bind(1, kTenant);
     complete_->bind(2, kOperation);
     complete_->bind(3, key);
@@ -149,7 +148,8 @@ class Floor {
   }
   sqlite::BusyPolicy busy_{std::chrono::seconds(10), {}};
   sqlite::Connection db_;
-  std::unique_ptr<sqlite::Statement> begin_, commit_, reserve_, complete_, load_;
+  std::unique_ptr<sqlite::TransactionStatements> tx_;
+  std::unique_ptr<sqlite::Statement> reserve_, complete_, load_;
 };
 
 std::int64_t now_ms() {
@@ -472,10 +472,11 @@ void bulk_fill(const std::string& path, std::size_t count, std::int64_t expires_
   sqlite::exec(db.get(), sql::kSynchronousOff);
   sqlite::exec(db.get(), sql::kBigCache);
   sqlite::Statement insert(db.get(), sql::kBulkInsert);
+  sqlite::TransactionStatements tx(db.get());
   std::mt19937_64 rng(42);
   const std::string body(200, 'x');
   for (std::size_t done = 0; done < count;) {
-    sqlite::exec(db.get(), sql::kBegin);
+    sqlite::Transaction fill(tx);
     for (std::size_t i = 0; i < 100000 && done < count; ++i, ++done) {
       const std::string key = fmt::format("{}{:016x}{:016x}", prefix, rng(), done);
       insert.bind(1, key);
@@ -485,7 +486,7 @@ void bulk_fill(const std::string& path, std::size_t count, std::int64_t expires_
       insert.step();
       insert.reset();
     }
-    sqlite::exec(db.get(), sql::kCommit);
+    fill.commit();
   }
   sqlite::exec(db.get(), sql::kCheckpointTruncate);
   // The fill ran with synchronous=OFF: put it on disk now, as a store that has been running
