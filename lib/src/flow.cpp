@@ -48,10 +48,7 @@ Flow::~Flow() {
 Effect Flow::next() {
   switch (phase_) {
     case Phase::start:
-      if (!call_.has_key) {
-        return act(decide({Found::Kind::no_key}, call_, core_.options.on_store_failure, {}, {}),
-                   nullptr, {});
-      }
+      if (!call_.has_key) return on({Found::Kind::no_key}, nullptr, core_.now());
       return read();
     case Phase::read:
       return after_read();
@@ -92,18 +89,13 @@ Effect Flow::after_read() {
       return sleep(t, /*after_failed_look=*/true);
     }
     store_error_ = loaded_.error;
-    return act(
-        decide({Found::Kind::store_failed}, call_, core_.options.on_store_failure, t, give_up_),
-        nullptr, t);
+    return on({Found::Kind::store_failed}, nullptr, t);
   }
   if (loaded_.record && loaded_.record->live_at(t)) {
     Record& r = *loaded_.record;
-    return act(decide({Found::Kind::live, &r}, call_, core_.options.on_store_failure, t, give_up_),
-               &r, t);
+    return on({Found::Kind::live, &r}, &r, t);
   }
-  return act(
-      decide({Found::Kind::nothing_live}, call_, core_.options.on_store_failure, t, give_up_),
-      nullptr, t);
+  return on({Found::Kind::nothing_live}, nullptr, t);
 }
 
 Effect Flow::after_reserve() {
@@ -118,7 +110,11 @@ Effect Flow::after_reserve() {
     existing = &*r.existing;
     found = Found{Found::Kind::live, existing};
   }
-  return act(decide(found, call_, core_.options.on_store_failure, t, give_up_), existing, t);
+  return on(found, existing, t);
+}
+
+Effect Flow::on(const Found& found, Record* record, TimePoint now) {
+  return act(decide(found, call_, core_.options.on_store_failure, now, give_up_), record, now);
 }
 
 // --- the decision, performed ---------------------------------------------------------------
@@ -225,13 +221,13 @@ Effect Flow::sleep(TimePoint now, bool after_failed_look) {
     wake = std::min(wake, now + poll_);
     poll_ = std::min(poll_ * 2, core_.options.poll_max);
   }
-  if (!subscribed_) {  // after a failed look, a wake was lost with the subscription
-    holder_local_ = core_.inflight.subscribe(call_.id, holder_, waiter_);
-    subscribed_ = true;
-  }
   if (wake <= now) {
     unsubscribe();
     return read();
+  }
+  if (!subscribed_) {  // after a failed look, a wake was lost with the subscription
+    holder_local_ = core_.inflight.subscribe(call_.id, holder_, waiter_);
+    subscribed_ = true;
   }
   phase_ = Phase::sleep;
   return Effect{Effect::Kind::sleep, wake};
@@ -257,10 +253,8 @@ Effect Flow::after_ran() {
   try {
     stored_ = core_.stored_form(call_.id, response_);
   } catch (const std::exception& e) {
-    bump(core_.counters.store_errors);
-    log(LogLevel::error, "complete_failed", fmt::format("payload store: {}", e.what()));
     done_holding();
-    return answer(std::move(response_), Outcome::Source::executed, {});
+    return unstored(fmt::format("payload store: {}", e.what()));
   }
   const TimePoint t = core_.now();
   op_ = StoreOp{.id = &call_.id,
@@ -279,13 +273,7 @@ Effect Flow::after_ran() {
 
 Effect Flow::after_complete() {
   done_holding();
-  if (op_.error) {
-    // The action ran; its result could not be stored. The key stays reserved until the
-    // lease ends (a derived key downstream keeps the retry single-charge).
-    bump(core_.counters.store_errors);
-    log(LogLevel::error, "complete_failed", describe(op_.error));
-    return answer(std::move(response_), Outcome::Source::executed, {});
-  }
+  if (op_.error) return unstored(describe(op_.error));
   if (!op_.applied) {
     bump(core_.counters.lease_lost);
     log(LogLevel::error, "lease_lost", "complete refused: the lease was taken over");
@@ -298,11 +286,7 @@ Effect Flow::after_complete() {
 
 Effect Flow::after_store() {
   // InFlight::run: stored if nobody had; else answer like the winner (the action ran twice).
-  if (op_.error) {
-    bump(core_.counters.store_errors);
-    log(LogLevel::error, "complete_failed", describe(op_.error));
-    return answer(std::move(response_), Outcome::Source::executed, {});
-  }
+  if (op_.error) return unstored(describe(op_.error));
   Reservation& r = op_.reservation;
   if (r.kind == Reservation::Kind::existing && r.existing->state == State::completed &&
       r.existing->fingerprint == call_.fingerprint) {
@@ -314,6 +298,14 @@ Effect Flow::after_store() {
   if (r.kind != Reservation::Kind::existing) bump(core_.counters.completed);
   log(LogLevel::debug, "completed", "");
   return answer(std::move(response_), Outcome::Source::executed, op_.expires_at);
+}
+
+Effect Flow::unstored(std::string_view why) {
+  // The action ran; its result could not be stored. A reserved key stays reserved until the
+  // lease ends (a derived key downstream keeps the retry single-charge).
+  bump(core_.counters.store_errors);
+  log(LogLevel::error, "complete_failed", why);
+  return answer(std::move(response_), Outcome::Source::executed, {});
 }
 
 Effect Flow::after_release() {

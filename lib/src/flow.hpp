@@ -77,6 +77,8 @@ class Flow {
   // Performs decision `d`; `record` is the live record it was made on (nullptr if none),
   // which a replay moves from.
   Effect act(Decision d, Record* record, TimePoint now);
+  // decide() on what was found, then act() on the decision.
+  Effect on(const Found& found, Record* record, TimePoint now);
   Effect run(Mode mode);
   Effect read();
   Effect write(Phase phase);
@@ -89,6 +91,8 @@ class Flow {
   Effect after_complete();
   Effect after_store();
   Effect after_release();
+  // The action ran but its response was not stored (logged "complete_failed", counted).
+  Effect unstored(std::string_view why);
   void unsubscribe();
   void done_holding();
   void log(LogLevel level, std::string_view event, std::string_view message) const;
