@@ -73,6 +73,32 @@ int main(int argc, char** argv) {
                   "Answer 503 instead of charging when the store fails");
   serve->add_option("--api-keys", api_keys_file,
                     "File of \"api_key tenant\" lines (default: sk_test_alpha, sk_test_beta)");
+  std::string serve_app = "payments";
+  serve
+      ->add_option("--app", serve_app,
+                   "payments: the payments API; conformance: the Idempotency-Key draft's "
+                   "test routes (POST /echo, /status/{code}, /slow, /large; GET /counter)")
+      ->check(CLI::IsMember({"payments", "conformance"}))
+      ->capture_default_str();
+  bool no_layer = false;
+  serve->add_flag("--no-idempotency", no_layer,
+                  "conformance only: serve the routes without idem (a baseline for load tests)");
+  serve->add_option("--operator-key", serve_options.api.operator_key,
+                    "Serve /metrics and /v1/provider/charges only to \"Authorization: Bearer "
+                    "KEY\" (default: only to loopback clients)");
+  long long max_connections = 0;
+  serve
+      ->add_option("--max-connections", max_connections,
+                   "Connections open at once (0: the descriptor limit less 64)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  long long drain_ms = 10000;
+  serve
+      ->add_option("--drain-timeout-ms", drain_ms,
+                   "After SIGINT/SIGTERM, how long requests in flight may finish (a second "
+                   "signal stops at once)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
 
@@ -88,11 +114,19 @@ int main(int argc, char** argv) {
       serve_options.api.provider_latency = std::chrono::milliseconds(serve_latency_ms);
       if (!api_keys_file.empty())
         serve_options.api.api_keys = idem::demo::load_api_keys(api_keys_file);
+      serve_options.app = serve_app == "conformance" ? idem::demo::AppKind::conformance
+                                                     : idem::demo::AppKind::payments;
+      serve_options.idempotency_layer = !no_layer;
+      serve_options.max_connections = static_cast<std::size_t>(max_connections);
+      serve_options.drain_timeout = std::chrono::milliseconds(drain_ms);
       serve_options.handle_signals = true;
       idem::demo::Server server(serve_options);
-      std::cerr << "idem-demo: serving on http://" << serve_options.host << ':' << server.port()
-                << " (policy " << serve_policy << "; Ctrl-C stops)" << std::endl;
-      server.run();
+      std::cerr << "idem-demo: serving " << serve_app << " on http://" << serve_options.host << ':'
+                << server.port() << " (policy " << serve_policy << "; Ctrl-C stops)" << std::endl;
+      if (!server.run()) {
+        std::cerr << "idem-demo: stopped with requests unanswered" << std::endl;
+        return 1;
+      }
       std::cerr << "idem-demo: stopped" << std::endl;
       return 0;
     }

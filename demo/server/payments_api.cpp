@@ -3,13 +3,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <boost/asio/post.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/thread_pool.hpp>
+#include <boost/asio/use_awaitable.hpp>
 #include <cctype>
+#include <charconv>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "idem/asio.hpp"
-#include "idem/http.hpp"
 #include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for the payments table
 #include "idem/sim/async_provider.hpp"
 #include "idem/sqlite_store.hpp"
@@ -19,6 +22,7 @@ namespace idem::demo {
 namespace {
 
 namespace net = boost::asio;
+namespace bh = boost::beast::http;
 using nlohmann::json;
 
 bool iequals(std::string_view a, std::string_view b) {
@@ -28,34 +32,48 @@ bool iequals(std::string_view a, std::string_view b) {
          });
 }
 
-Response json_response(int status, const json& body) {
-  return Response{status, body.dump(), {{"Content-Type", "application/json"}}};
+Reply json_reply(int status, const json& body) {
+  return body_reply(status, body.dump(), "application/json");
 }
 
-Response method_not_allowed(std::string_view allow) {
-  Response r = problem(405, "method_not_allowed", "Method not allowed",
-                       fmt::format("this resource accepts {}", allow));
-  r.headers.push_back({"Allow", std::string(allow)});
+Reply method_not_allowed(std::string_view allow) {
+  Reply r = problem_reply(405, "method_not_allowed", "Method not allowed",
+                          fmt::format("this resource accepts {}", allow));
+  r.set(bh::field::allow, std::string(allow));
   return r;
 }
 
-Response invalid_request(std::string_view detail) {
-  return problem(400, "invalid_request", "Invalid request", detail);
+Reply invalid_request(std::string_view detail) {
+  return problem_reply(400, "invalid_request", "Invalid request", detail);
 }
 
-// An HTTP-date (RFC 9110) for the Idempotency-Key-Expires header.
-std::string http_date(TimePoint t) {
-  const std::time_t secs =
-      std::chrono::system_clock::to_time_t(std::chrono::system_clock::time_point(t));
-  std::tm tm{};
-  gmtime_r(&secs, &tm);
-  char buf[64];
-  std::strftime(buf, sizeof buf, "%a, %d %b %Y %H:%M:%S GMT", &tm);
-  return buf;
+// The value of the query parameter `name` in `target`, or "" (no decoding: the demo's
+// parameters are digits and charge ids).
+std::string_view query_param(std::string_view target, std::string_view name) {
+  const auto q = target.find('?');
+  if (q == std::string_view::npos) return {};
+  std::string_view rest = target.substr(q + 1);
+  while (!rest.empty()) {
+    const auto amp = rest.find('&');
+    const std::string_view pair = rest.substr(0, amp);
+    if (pair.size() > name.size() && pair.starts_with(name) && pair[name.size()] == '=')
+      return pair.substr(name.size() + 1);
+    if (amp == std::string_view::npos) break;
+    rest.remove_prefix(amp + 1);
+  }
+  return {};
+}
+
+// Digits as a positive int64, or nullopt (empty, a non-digit, or out of range).
+std::optional<std::int64_t> positive_number(std::string_view digits) {
+  std::int64_t n = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), n);
+  if (ec != std::errc() || end != digits.data() + digits.size() || n <= 0) return std::nullopt;
+  return n;
 }
 
 // The payment fields, checked. Returns a problem to send, or nullopt if the body is valid.
-std::optional<Response> check_payment(const json& body) {
+std::optional<Reply> check_payment(const json& body) {
   if (!body.is_object()) return invalid_request("the body must be a JSON object");
   const auto amount = body.find("amount");
   if (amount == body.end() || !amount->is_number_integer() || amount->get<long long>() <= 0 ||
@@ -89,17 +107,11 @@ std::optional<Response> check_payment(const json& body) {
 
 }  // namespace
 
-const std::string* HttpRequest::header(std::string_view name) const {
-  for (const Header& h : headers) {
-    if (iequals(h.name, name)) return &h.value;
-  }
-  return nullptr;
-}
-
 std::map<std::string, std::string> load_api_keys(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error(fmt::format("cannot read API keys file {}", path));
   std::map<std::string, std::string> keys;
+  std::map<std::string, int> line_of;
   std::string line;
   for (int n = 1; std::getline(in, line); ++n) {
     if (const auto hash = line.find('#'); hash != std::string::npos) line.erase(hash);
@@ -110,28 +122,20 @@ std::map<std::string, std::string> load_api_keys(const std::string& path) {
       throw std::runtime_error(fmt::format("{}:{}: expected \"api_key tenant\"", path, n));
     }
     validate_key_part("tenant", tenant);
+    if (const auto [it, fresh] = line_of.try_emplace(key, n); !fresh) {
+      throw std::runtime_error(
+          fmt::format("{}:{}: API key repeated (first on line {}); one key names one tenant", path,
+                      n, it->second));
+    }
     keys[key] = tenant;
   }
-  return keys;
-}
-
-std::optional<std::string> parse_idempotency_key(std::string_view v) {
-  if (v.empty() || v.front() != '"') return std::string(v);
-  // RFC 8941 sf-string: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
-  std::string out;
-  for (std::size_t i = 1; i < v.size(); ++i) {
-    const char c = v[i];
-    if (c == '"') return i + 1 == v.size() ? std::optional<std::string>(out) : std::nullopt;
-    if (c == '\\') {
-      if (++i == v.size() || (v[i] != '"' && v[i] != '\\')) return std::nullopt;
-      out += v[i];
-    } else if (c < 0x20 || c > 0x7e) {
-      return std::nullopt;
-    } else {
-      out += c;
-    }
+  if (keys.empty()) {
+    throw std::runtime_error(fmt::format(
+        "{}: no API keys (every line is empty or a comment); refusing to start, since the "
+        "public demo keys would then open the API",
+        path));
   }
-  return std::nullopt;  // no closing quote
+  return keys;
 }
 
 struct PaymentsApi::Impl {
@@ -139,11 +143,14 @@ struct PaymentsApi::Impl {
   std::shared_ptr<SystemClock> clock = std::make_shared<SystemClock>();
   std::shared_ptr<sim::Provider> provider;
   std::unique_ptr<Coordinator> idem;
+  std::unique_ptr<http::Layer> layer;
   // The payments table (the application's own data, beside idem's keys).
   sqlite::BusyPolicy busy{std::chrono::seconds(5), {}};
   sqlite::Connection db;
   std::unique_ptr<sqlite::TransactionStatements> tx;
   std::unique_ptr<sqlite::Statement> insert_payment, name_payment, find_payment;
+  // Operator reads (the whole ledger, page by page) run here, off the io thread.
+  net::thread_pool operator_work{1};
 
   explicit Impl(ApiOptions o) : options(std::move(o)) {
     if (options.api_keys.empty())
@@ -161,6 +168,18 @@ struct PaymentsApi::Impl {
         std::make_shared<SqliteStore>(options.db,
                                       SqliteOptions{.busy_timeout = options.store_busy_timeout}),
         std::move(idem_options));
+    http::LayerOptions layer_options;
+    layer_options.methods = {bh::verb::post};
+    layer_options.tenant = [this](const Request& r) { return tenant_of(r).value_or(""); };
+    layer_options.operation = [](const Request&) { return std::string("payment.create"); };
+    layer_options.fingerprint = http::json_fields({"amount", "currency", "order_id"});
+    layer_options.check = [](const Request& r) -> std::optional<Reply> {
+      const json body = json::parse(r.body(), nullptr, false);
+      if (body.is_discarded()) return invalid_request("the body is not valid JSON");
+      return check_payment(body);
+    };
+    layer_options.clock = clock;
+    layer = std::make_unique<http::Layer>(*idem, std::move(layer_options));
     db = sqlite::open_connection(options.db, &busy);
     sqlite::enable_wal(db.get(), busy);
     sqlite::exec(db.get(), sql::kPaymentsSchema);
@@ -170,27 +189,54 @@ struct PaymentsApi::Impl {
     find_payment = std::make_unique<sqlite::Statement>(db.get(), sql::kFindPayment);
   }
 
+  ~Impl() { operator_work.join(); }
+
+  // The one Authorization field's value; nullopt when absent or sent more than once.
+  static std::optional<std::string_view> authorization(const Request& r) {
+    const auto [first, last] = r.equal_range(bh::field::authorization);
+    if (first == last || std::next(first) != last) return std::nullopt;
+    return sv(first->value());
+  }
+
   // The tenant of the request's bearer token, or nullopt.
-  std::optional<std::string> tenant_of(const HttpRequest& r) const {
-    const std::string* auth = r.header("Authorization");
-    if (auth == nullptr || auth->size() <= 7 ||
-        !iequals(std::string_view(*auth).substr(0, 7), "Bearer ")) {
-      return std::nullopt;
-    }
-    const auto it = options.api_keys.find(auth->substr(7));
+  std::optional<std::string> tenant_of(const Request& r) const {
+    const std::optional<std::string_view> auth = authorization(r);
+    if (!auth || auth->size() <= 7 || !iequals(auth->substr(0, 7), "Bearer ")) return std::nullopt;
+    const auto it = options.api_keys.find(std::string(auth->substr(7)));
     if (it == options.api_keys.end()) return std::nullopt;
     return it->second;
   }
 
-  // The action: charge with a key derived from the record, then record the payment.
-  net::awaitable<Response> charge(std::string tenant, KeyId id, json body) {
+  // The operator routes: every tenant's data. With an operator key, only its bearer; without
+  // one, clients from operator_addresses that do not present a tenant's key.
+  bool operator_may_read(const Request& r, const Peer& peer) const {
+    if (!options.operator_key.empty()) {
+      const std::optional<std::string_view> auth = authorization(r);
+      return auth && *auth == "Bearer " + options.operator_key;
+    }
+    const auto& from = options.operator_addresses;
+    return std::find(from.begin(), from.end(), peer.address) != from.end() && !tenant_of(r);
+  }
+
+  // The handler behind the layer: charge with a key derived from the record, then record
+  // the payment. Failures are 5xx replies, which the layer does not store.
+  net::awaitable<Reply> create(const Request& req, const http::Context& call) {
+    const json body = json::parse(req.body());  // the layer's check() parsed it already
     const std::string order_id = body.at("order_id");
     const long long amount = body.at("amount");
-    const sim::ChargeResult r =
-        co_await sim::async_charge(*provider, order_id, amount, derived_key(id, "charge"));
+    sim::ChargeResult r;
+    try {
+      r = co_await sim::async_charge(*provider, order_id, amount, derived_key(call.id, "charge"));
+    } catch (const sim::ProviderTimeout& e) {
+      co_return problem_reply(
+          504, "provider_unavailable", "Payment provider unavailable",
+          fmt::format("{}; nothing was stored, retry with the same key", e.what()));
+    } catch (const std::exception& e) {
+      co_return problem_reply(502, "provider_unavailable", "Payment failed", e.what());
+    }
     if (r.declined) {
-      co_return problem(402, "payment_declined", "Payment declined",
-                        fmt::format("the provider declined the charge: {}", r.reason));
+      co_return problem_reply(402, "payment_declined", "Payment declined",
+                              fmt::format("the provider declined the charge: {}", r.reason));
     }
     const json payment = {{"charge_id", r.charge_id},
                           {"amount", amount},
@@ -203,7 +249,7 @@ struct PaymentsApi::Impl {
     {
       sqlite::ResetGuard reset(*insert_payment);
       const std::string text = payment.dump();
-      insert_payment->bind(1, tenant);
+      insert_payment->bind(1, call.id.tenant);
       insert_payment->bind(2, text);
       insert_payment->bind(3, static_cast<std::int64_t>(clock->now().time_since_epoch().count()));
       insert_payment->step();
@@ -216,75 +262,58 @@ struct PaymentsApi::Impl {
     const std::string text = name_payment->text(0);
     name_payment->step();
     payment_tx.commit();
-    co_return Response{200, text, {{"Content-Type", "application/json"}}};
+    co_return body_reply(200, text, "application/json");
   }
 
-  net::awaitable<Response> create(const HttpRequest& req, std::string tenant) {
-    const std::string* raw_key = req.header("Idempotency-Key");
-    if (raw_key == nullptr) {
-      co_return problem(400, "idempotency_key_required", "Idempotency-Key required",
-                        "POST /v1/payments needs an Idempotency-Key header: a client-generated "
-                        "key (a UUID) reused unchanged on every retry");
-    }
-    const std::optional<std::string> key = parse_idempotency_key(*raw_key);
-    if (!key) {
-      co_return problem(400, "idempotency_key_invalid", "Invalid idempotency key",
-                        "Idempotency-Key is neither a bare key nor a valid RFC 8941 string");
-    }
-    try {
-      validate_key_part("key", *key);
-    } catch (const InvalidKeyError& e) {
-      co_return to_http(e);
-    }
-    json body = json::parse(req.body, nullptr, false);
-    if (body.is_discarded()) co_return invalid_request("the body is not valid JSON");
-    if (std::optional<Response> bad = check_payment(body)) co_return std::move(*bad);
-
-    Request request;
-    request.tenant = tenant;
-    request.operation = "payment.create";
-    request.key = *key;
-    request.fingerprint = Fingerprint::of(body, {"amount", "currency", "order_id"});
-    KeyId id{tenant, request.operation, *key};
-    AsyncAction action = [this, tenant, id, body]() { return charge(tenant, id, body); };
-    try {
-      const Outcome out = co_await async_call(*idem, std::move(request), std::move(action));
-      Response r = to_http(out);
-      if (out.expires_at != TimePoint{})
-        r.headers.push_back({"Idempotency-Key-Expires", http_date(out.expires_at)});
-      co_return r;
-    } catch (const error& e) {
-      co_return to_http(e);
-    } catch (const sim::ProviderTimeout& e) {
-      co_return problem(504, "provider_unavailable", "Payment provider unavailable",
-                        fmt::format("{}; nothing was stored, retry with the same key", e.what()));
-    } catch (const std::exception& e) {
-      co_return problem(502, "provider_unavailable", "Payment failed", e.what());
-    }
-  }
-
-  Response find(std::string_view id, const std::string& tenant) {
-    std::int64_t seq = 0;
-    const bool well_formed =
-        id.starts_with("pay_") && id.size() > 4 && id.size() < 24 &&
-        std::all_of(id.begin() + 4, id.end(), [](char c) { return c >= '0' && c <= '9'; });
-    if (well_formed) seq = std::stoll(std::string(id.substr(4)));
+  Reply find(std::string_view id, const std::string& tenant) {
+    const std::optional<std::int64_t> seq =
+        id.starts_with("pay_") ? positive_number(id.substr(4)) : std::nullopt;
     sqlite::ResetGuard reset(*find_payment);
-    find_payment->bind(1, seq);
-    find_payment->bind(2, tenant);
-    if (!well_formed || !find_payment->step()) {
-      return problem(404, "not_found", "No such payment",
-                     "no payment with this id for this API key");
+    if (seq) {
+      find_payment->bind(1, *seq);
+      find_payment->bind(2, tenant);
     }
-    return Response{200, find_payment->text(0), {{"Content-Type", "application/json"}}};
+    if (!seq || !find_payment->step()) {
+      return problem_reply(404, "not_found", "No such payment",
+                           "no payment with this id for this API key");
+    }
+    return body_reply(200, find_payment->text(0), "application/json");
   }
 
-  Response charges() const {
-    json list = json::array();
-    for (const sim::Charge& c : provider->charges()) {
-      list.push_back({{"id", c.id}, {"order_id", c.order_id}, {"amount", c.amount}});
+  // One page of the provider's statement: ?after=ch_N&limit=1..1000 (default 100). Read on
+  // the operator thread, so a large ledger never stalls the requests on the io thread.
+  net::awaitable<Reply> charges(std::string_view target) {
+    std::int64_t after = 0;
+    if (const std::string_view a = query_param(target, "after"); !a.empty()) {
+      const auto n = a.starts_with("ch_") ? positive_number(a.substr(3)) : std::nullopt;
+      if (!n) co_return invalid_request("after must be a charge id such as ch_100");
+      after = *n;
     }
-    return json_response(200, {{"count", list.size()}, {"charges", list}});
+    std::size_t limit = 100;
+    if (const std::string_view l = query_param(target, "limit"); !l.empty()) {
+      const auto n = positive_number(l);
+      if (!n || *n > 1000) co_return invalid_request("limit must be from 1 to 1000");
+      limit = static_cast<std::size_t>(*n);
+    }
+    const auto io = co_await net::this_coro::executor;
+    co_await net::post(operator_work, net::use_awaitable);
+    json list = json::array();
+    std::size_t count = 0;
+    std::string failure;
+    try {
+      for (const sim::Charge& c : provider->charges_after(after, limit)) {
+        list.push_back({{"id", c.id}, {"order_id", c.order_id}, {"amount", c.amount}});
+      }
+      count = provider->charge_count();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    co_await net::post(io, net::use_awaitable);
+    if (!failure.empty())
+      co_return problem_reply(503, "ledger_unavailable", "Ledger unavailable", failure);
+    json page = {{"count", count}, {"charges", list}, {"next", nullptr}};
+    if (list.size() == limit) page["next"] = list.back().at("id");
+    co_return json_reply(200, page);
   }
 };
 
@@ -293,48 +322,60 @@ PaymentsApi::~PaymentsApi() = default;
 Coordinator& PaymentsApi::coordinator() noexcept { return *impl_->idem; }
 sim::Provider& PaymentsApi::provider() noexcept { return *impl_->provider; }
 
-net::awaitable<Response> PaymentsApi::handle(HttpRequest req) {
+net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
   Impl& d = *impl_;
-  const std::string path = req.target.substr(0, req.target.find('?'));
+  const std::string target(req.target());
+  const std::string path = target.substr(0, target.find('?'));
+  const bool get = req.method() == bh::verb::get;
   try {
     if (path == "/healthz") {
-      if (req.method != "GET") co_return method_not_allowed("GET");
-      co_return json_response(200, {{"status", "ok"}});
+      if (!get) co_return method_not_allowed("GET");
+      co_return json_reply(200, {{"status", "ok"}});
     }
-    if (path == "/metrics") {
-      if (req.method != "GET") co_return method_not_allowed("GET");
-      co_return Response{
-          200, d.idem->metrics().to_prometheus(), {{"Content-Type", "text/plain; version=0.0.4"}}};
-    }
-    if (path == "/v1/provider/charges") {
-      if (req.method != "GET") co_return method_not_allowed("GET");
-      co_return d.charges();
+    if (path == "/metrics" || path == "/v1/provider/charges") {
+      if (!get) co_return method_not_allowed("GET");
+      if (!d.operator_may_read(req, peer)) {
+        co_return problem_reply(403, "forbidden", "Operator route",
+                                d.options.operator_key.empty()
+                                    ? "served only to loopback clients without a tenant's API key"
+                                    : "served only to requests bearing the operator key");
+      }
+      if (path == "/metrics") {
+        co_return body_reply(200, d.idem->metrics().to_prometheus(), "text/plain; version=0.0.4");
+      }
+      co_return co_await d.charges(target);
     }
     const bool collection = path == "/v1/payments";
     const bool item = path.starts_with("/v1/payments/") && path.size() > 13 &&
                       path.find('/', 13) == std::string::npos;
     if (!collection && !item) {
-      co_return problem(404, "not_found", "Not found",
-                        fmt::format("no route for {}", path.substr(0, 100)));
+      co_return problem_reply(404, "not_found", "Not found",
+                              fmt::format("no route for {}", path.substr(0, 100)));
     }
     // Authentication comes before anything else about the request.
+    if (req.count(bh::field::authorization) > 1) {
+      co_return invalid_request("Authorization was sent more than once; send exactly one");
+    }
     const std::optional<std::string> tenant = d.tenant_of(req);
     if (!tenant) {
-      Response r =
-          problem(401, "unauthorized", "Unauthorized",
-                  "send Authorization: Bearer <API key> (demo keys: sk_test_alpha, sk_test_beta)");
-      r.headers.push_back({"WWW-Authenticate", "Bearer"});
+      Reply r = problem_reply(
+          401, "unauthorized", "Unauthorized",
+          "send Authorization: Bearer <API key> (demo keys: sk_test_alpha, sk_test_beta)");
+      r.set(bh::field::www_authenticate, "Bearer");
       co_return r;
     }
     if (collection) {
-      if (req.method != "POST") co_return method_not_allowed("POST");
-      Response r = co_await d.create(req, *tenant);
-      co_return r;
+      if (req.method() != bh::verb::post) co_return method_not_allowed("POST");
+      // (a named handler: g++ 12 destroys temporaries in a co_await expression twice)
+      const http::AsyncHandler create = [&d](const Request& r, const http::Context& call) {
+        return d.create(r, call);
+      };
+      co_return co_await d.layer->async_handle(req, create);
     }
-    if (req.method != "GET") co_return method_not_allowed("GET");
+    if (!get) co_return method_not_allowed("GET");
     co_return d.find(std::string_view(path).substr(13), *tenant);
   } catch (const std::exception& e) {
-    co_return problem(500, "internal_error", "Internal error", e.what());
+    co_return problem_reply(500, "internal_error", "Internal error", e.what());
   }
 }
 

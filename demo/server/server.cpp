@@ -1,41 +1,76 @@
 #include "server.hpp"
 
+#include <sys/resource.h>
+
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <csignal>
 #include <iostream>
+#include <map>
 #include <set>
-
-#include "idem/http.hpp"
+#include <stdexcept>
 
 namespace idem::demo {
 namespace {
 
 namespace net = boost::asio;
 namespace beast = boost::beast;
-namespace http = beast::http;
+namespace bh = beast::http;
 using tcp = net::ip::tcp;
+
+// Descriptors kept back from the connection cap: the databases (each with its WAL and
+// shared memory), the ledger, the event loop's own, stdio.
+constexpr std::size_t kReservedDescriptors = 64;
+
+std::size_t default_max_connections() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 4096;
+  const auto descriptors = static_cast<std::size_t>(limit.rlim_cur);
+  return descriptors > kReservedDescriptors + 16 ? descriptors - kReservedDescriptors : 16;
+}
 
 }  // namespace
 
 struct Server::Impl {
   ServerOptions options;
-  PaymentsApi api;
+  std::unique_ptr<PaymentsApi> payments;
+  std::unique_ptr<ConformanceApp> fixture;
+  App* app = nullptr;
+  std::size_t cap = 0;
   net::io_context io{1};
   tcp::acceptor acceptor{io};
   net::signal_set signals{io};
-  bool stopping = false;  // io thread only
-  // Sessions waiting for a request (io thread only): cancelled when the server stops.
+  net::steady_timer drain{io};
+  net::steady_timer room{io};  // the listener waits here while the cap is reached
+  // Everything below: io thread only.
+  bool stopping = false;
+  bool forced = false;
+  std::size_t sessions = 0;
+  std::uint64_t idle_since = 0;
+  // Sessions waiting for the first byte of a request, longest idle first: the ones a new
+  // connection may close at the cap, and the ones stop() closes at once.
+  std::map<std::uint64_t, beast::tcp_stream*> idle;
+  // Sessions reading a request: cancelled when the server stops.
   std::set<beast::tcp_stream*> reading;
 
-  explicit Impl(ServerOptions o) : options(std::move(o)), api(options.api) {
+  explicit Impl(ServerOptions o) : options(std::move(o)) {
+    if (options.app == AppKind::conformance) {
+      fixture = std::make_unique<ConformanceApp>(ConformanceOptions{
+          options.api.db, options.api.policy, options.api.fail_closed, options.idempotency_layer});
+      app = fixture.get();
+    } else {
+      payments = std::make_unique<PaymentsApi>(options.api);
+      app = payments.get();
+    }
+    cap = options.max_connections != 0 ? options.max_connections : default_max_connections();
     const tcp::endpoint endpoint(net::ip::make_address(options.host), options.port);
     acceptor.open(endpoint.protocol());
     acceptor.set_option(net::socket_base::reuse_address(true));
@@ -48,48 +83,82 @@ struct Server::Impl {
     stopping = true;
     beast::error_code ec;
     acceptor.close(ec);
-    signals.cancel(ec);
+    room.cancel();
+    for (auto& [since, s] : idle) s->cancel();
     for (beast::tcp_stream* s : reading) s->cancel();
+    if (sessions == 0) {
+      signals.cancel(ec);
+      return;
+    }
+    drain.expires_after(options.drain_timeout);
+    drain.async_wait([this](const beast::error_code& e) {
+      if (e) return;
+      std::cerr << "idem-demo serve: " << sessions
+                << " request(s) still running after the drain timeout; stopping without them\n";
+      force();
+    });
   }
 
-  static HttpRequest to_request(http::request<http::string_body>&& req) {
-    HttpRequest out;
-    out.method = std::string(req.method_string());
-    out.target = std::string(req.target());
-    for (const auto& field : req)
-      out.headers.push_back({std::string(field.name_string()), std::string(field.value())});
-    out.body = std::move(req.body());
-    return out;
+  void force() {
+    forced = sessions > 0;
+    io.stop();
   }
 
-  net::awaitable<void> send(beast::tcp_stream& stream, const Response& r, bool keep_alive) {
-    http::response<http::string_body> res{static_cast<http::status>(r.status), 11};
-    res.set(http::field::server, "idem-demo");
-    for (const Header& h : r.headers) res.set(h.name, h.value);
-    if (res.find(http::field::content_type) == res.end())
-      res.set(http::field::content_type, "application/json");
-    res.body() = r.body;
+  void on_signal(const beast::error_code& ec, int) {
+    if (ec) return;
+    if (stopping) {
+      std::cerr << "idem-demo serve: second signal; stopping now\n";
+      force();
+      return;
+    }
+    begin_stop();
+    if (sessions > 0)
+      signals.async_wait([this](const beast::error_code& e, int s) { on_signal(e, s); });
+  }
+
+  void session_ended() {
+    --sessions;
+    room.cancel();
+    if (stopping && sessions == 0) {
+      beast::error_code ec;
+      drain.cancel();
+      signals.cancel(ec);
+    }
+  }
+
+  net::awaitable<void> send(beast::tcp_stream& stream, Reply res, bool keep_alive, bool head) {
+    res.version(11);
+    res.set(bh::field::server, "idem-demo");
+    if (!res.body().empty() && res.find(bh::field::content_type) == res.end())
+      res.set(bh::field::content_type, "application/json");
     res.keep_alive(keep_alive);
-    res.prepare_payload();
+    if (res.find(bh::field::content_length) == res.end() && !head) res.prepare_payload();
     stream.expires_after(options.read_timeout);
     beast::error_code ec;
-    co_await http::async_write(stream, res, net::redirect_error(net::use_awaitable, ec));
+    if (head) {
+      // The answer to HEAD is the GET's header section, Content-Length included, and no body
+      // (RFC 9110 §9.3.2): a body here would be read as the next response.
+      bh::response<bh::empty_body> header_only{std::move(res.base())};
+      co_await bh::async_write(stream, header_only, net::redirect_error(net::use_awaitable, ec));
+    } else {
+      co_await bh::async_write(stream, res, net::redirect_error(net::use_awaitable, ec));
+    }
   }
 
   // The answer to a request that could not be read, or nullopt to just close.
-  static std::optional<Response> read_failure(const beast::error_code& ec) {
-    if (ec == http::error::body_limit) {
-      return problem(413, "payload_too_large", "Payload too large",
-                     "the body exceeds the server's limit");
+  static std::optional<Reply> read_failure(const beast::error_code& ec) {
+    if (ec == bh::error::body_limit) {
+      return problem_reply(413, "payload_too_large", "Payload too large",
+                           "the body exceeds the server's limit");
     }
-    if (ec == http::error::header_limit) {
-      return problem(431, "headers_too_large", "Request header fields too large",
-                     "the header section exceeds the server's limit");
+    if (ec == bh::error::header_limit) {
+      return problem_reply(431, "headers_too_large", "Request header fields too large",
+                           "the header section exceeds the server's limit");
     }
-    static const auto& http_errors = beast::error_code(http::error::bad_method).category();
-    if (ec.category() == http_errors && ec != http::error::end_of_stream &&
-        ec != http::error::partial_message) {
-      return problem(400, "bad_request", "Malformed HTTP request", ec.message());
+    static const auto& http_errors = beast::error_code(bh::error::bad_method).category();
+    if (ec.category() == http_errors && ec != bh::error::end_of_stream &&
+        ec != bh::error::partial_message) {
+      return problem_reply(400, "bad_request", "Malformed HTTP request", ec.message());
     }
     return std::nullopt;  // closed, timed out, cancelled, or cut short: nobody to answer
   }
@@ -97,37 +166,45 @@ struct Server::Impl {
   net::awaitable<void> session(tcp::socket socket) {
     beast::tcp_stream stream(std::move(socket));
     beast::flat_buffer buffer;
+    beast::error_code peer_ec;
+    const Peer peer{stream.socket().remote_endpoint(peer_ec).address().to_string()};
     for (;;) {
       beast::error_code ec;
       // Idle: wait for the first byte of the next request (unless pipelined bytes wait).
-      reading.insert(&stream);
-      if (buffer.size() == 0) {
+      if (buffer.size() == 0 && !stopping) {
+        const std::uint64_t since = ++idle_since;
+        idle.emplace(since, &stream);
+        room.cancel();  // an idle session makes room for a new connection at the cap
         stream.expires_after(options.idle_timeout);
         const std::size_t n = co_await stream.async_read_some(
             buffer.prepare(4096), net::redirect_error(net::use_awaitable, ec));
         buffer.commit(n);
+        idle.erase(since);
       }
-      http::request_parser<http::string_body> parser;
+      if (stopping && buffer.size() == 0) break;
+      bh::request_parser<bh::string_body> parser;
       parser.body_limit(options.body_limit);
       parser.header_limit(static_cast<std::uint32_t>(options.header_limit));
       if (!ec) {
+        reading.insert(&stream);
         stream.expires_after(options.read_timeout);
-        co_await http::async_read(stream, buffer, parser,
-                                  net::redirect_error(net::use_awaitable, ec));
+        co_await bh::async_read(stream, buffer, parser,
+                                net::redirect_error(net::use_awaitable, ec));
+        reading.erase(&stream);
       }
-      reading.erase(&stream);
       if (ec) {
-        if (std::optional<Response> answer = read_failure(ec); answer && !stopping) {
-          co_await send(stream, *answer, false);
+        if (std::optional<Reply> answer = read_failure(ec); answer && !stopping) {
+          co_await send(stream, std::move(*answer), false, false);
         }
         break;
       }
-      http::request<http::string_body> req = parser.release();
+      Request req = parser.release();
       const bool client_keep_alive = req.keep_alive();
-      HttpRequest request = to_request(std::move(req));
-      Response response = co_await api.handle(std::move(request));
+      const bool head = req.method() == bh::verb::head;
+      if (head) req.method(bh::verb::get);  // HEAD is GET without the body
+      Reply response = co_await app->handle(std::move(req), peer);
       const bool keep_alive = client_keep_alive && !stopping;
-      co_await send(stream, response, keep_alive);
+      co_await send(stream, std::move(response), keep_alive, head);
       if (!keep_alive) break;
     }
     beast::error_code ignored;
@@ -135,13 +212,41 @@ struct Server::Impl {
   }
 
   net::awaitable<void> listen() {
+    std::chrono::milliseconds backoff{0};
     for (;;) {
       beast::error_code ec;
+      // At the cap with nobody idle to close: leave new connections in the backlog until a
+      // session ends or goes idle.
+      while (sessions >= cap && idle.empty() && !stopping) {
+        room.expires_after(std::chrono::seconds(1));
+        co_await room.async_wait(net::redirect_error(net::use_awaitable, ec));
+      }
+      if (stopping) co_return;
       tcp::socket socket =
           co_await acceptor.async_accept(net::redirect_error(net::use_awaitable, ec));
       if (stopping) co_return;
-      if (ec) continue;  // a failed accept (fd limits...) does not stop the server
-      net::co_spawn(io, session(std::move(socket)), [](std::exception_ptr e) {
+      if (ec) {
+        // Descriptors or memory ran out (EMFILE, ENFILE, ENOBUFS...): retrying at once would
+        // spin; wait, longer each time, for sessions to end.
+        if (backoff.count() == 0)
+          std::cerr << "idem-demo serve: accept failed (" << ec.message() << "); backing off\n";
+        backoff = std::min<std::chrono::milliseconds>(
+            std::chrono::seconds(1),
+            std::max<std::chrono::milliseconds>(std::chrono::milliseconds(5), backoff * 2));
+        room.expires_after(backoff);
+        co_await room.async_wait(net::redirect_error(net::use_awaitable, ec));
+        continue;
+      }
+      backoff = std::chrono::milliseconds(0);
+      if (sessions >= cap && !idle.empty()) {
+        // Make room: close the connection idle the longest.
+        beast::tcp_stream* oldest = idle.begin()->second;
+        idle.erase(idle.begin());
+        oldest->cancel();
+      }
+      ++sessions;
+      net::co_spawn(io, session(std::move(socket)), [this](std::exception_ptr e) {
+        session_ended();
         if (!e) return;
         try {
           std::rethrow_exception(e);
@@ -157,19 +262,28 @@ Server::Server(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(o
 Server::~Server() = default;
 
 unsigned short Server::port() const noexcept { return impl_->acceptor.local_endpoint().port(); }
-PaymentsApi& Server::api() noexcept { return impl_->api; }
+std::size_t Server::max_connections() const noexcept { return impl_->cap; }
 
-void Server::run() {
+PaymentsApi& Server::api() {
+  if (!impl_->payments) throw std::logic_error("this server carries the conformance fixture");
+  return *impl_->payments;
+}
+
+ConformanceApp& Server::conformance() {
+  if (!impl_->fixture) throw std::logic_error("this server carries the payments API");
+  return *impl_->fixture;
+}
+
+bool Server::run() {
   Impl& d = *impl_;
   if (d.options.handle_signals) {
     d.signals.add(SIGINT);
     d.signals.add(SIGTERM);
-    d.signals.async_wait([&d](const beast::error_code& ec, int) {
-      if (!ec) d.begin_stop();
-    });
+    d.signals.async_wait([&d](const beast::error_code& ec, int s) { d.on_signal(ec, s); });
   }
   net::co_spawn(d.io, d.listen(), net::detached);
   d.io.run();
+  return !d.forced;
 }
 
 void Server::stop() {

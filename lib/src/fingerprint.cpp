@@ -33,8 +33,10 @@ Fingerprint Fingerprint::of(const nlohmann::json& fields) {
   return of_bytes(canonical);
 }
 
-Fingerprint Fingerprint::of(const nlohmann::json& request,
-                            std::initializer_list<std::string_view> significant) {
+namespace {
+
+template <class Names>
+nlohmann::json pick(const nlohmann::json& request, const Names& significant) {
   if (!request.is_object()) {
     throw error(errc::invalid_argument, "fingerprint: the request must be a JSON object");
   }
@@ -43,7 +45,19 @@ Fingerprint Fingerprint::of(const nlohmann::json& request,
     auto it = request.find(name);
     if (it != request.end()) picked[std::string(name)] = *it;
   }
-  return of(picked);
+  return picked;
+}
+
+}  // namespace
+
+Fingerprint Fingerprint::of(const nlohmann::json& request,
+                            std::initializer_list<std::string_view> significant) {
+  return of(pick(request, significant));
+}
+
+Fingerprint Fingerprint::of(const nlohmann::json& request,
+                            const std::vector<std::string>& significant) {
+  return of(pick(request, significant));
 }
 
 std::string Fingerprint::hex() const { return detail::hex(bytes_); }

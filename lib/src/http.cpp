@@ -1,9 +1,42 @@
 #include "idem/http.hpp"
 
+#include <ctime>
 #include <nlohmann/json.hpp>
 #include <string>
 
 namespace idem {
+
+std::optional<std::string> parse_idempotency_key(std::string_view v) {
+  if (v.empty() || v.front() != '"') {
+    if (v.find_first_of(",\"") != std::string_view::npos) return std::nullopt;
+    return std::string(v);
+  }
+  // RFC 8941 sf-string: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
+  std::string out;
+  for (std::size_t i = 1; i < v.size(); ++i) {
+    const char c = v[i];
+    if (c == '"') return i + 1 == v.size() ? std::optional<std::string>(out) : std::nullopt;
+    if (c == '\\') {
+      if (++i == v.size() || (v[i] != '"' && v[i] != '\\')) return std::nullopt;
+      out += v[i];
+    } else if (c < 0x20 || c > 0x7e) {
+      return std::nullopt;
+    } else {
+      out += c;
+    }
+  }
+  return std::nullopt;  // no closing quote
+}
+
+std::string http_date(TimePoint t) {
+  const std::time_t secs = std::chrono::system_clock::to_time_t(
+      std::chrono::time_point_cast<std::chrono::system_clock::duration>(t));
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char buf[64];
+  const std::size_t n = std::strftime(buf, sizeof buf, "%a, %d %b %Y %H:%M:%S GMT", &tm);
+  return std::string(buf, n);
+}
 
 int http_status(errc code) noexcept {
   switch (code) {

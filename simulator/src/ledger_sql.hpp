@@ -23,6 +23,9 @@ inline constexpr std::string_view kFindByKey =
 inline constexpr std::string_view kInsert =
     "INSERT INTO charges (order_id, amount, idem_key, at) VALUES (?1, ?2, ?3, ?4) RETURNING seq";
 inline constexpr std::string_view kCount = "SELECT count(*) FROM charges";
+// ?1 seq ?2 limit: the charges made after charge ch_<?1>, in order.
+inline constexpr std::string_view kPage =
+    "SELECT seq, order_id, amount, idem_key, at FROM charges WHERE seq > ?1 ORDER BY seq LIMIT ?2";
 inline constexpr std::string_view kAll =
     "SELECT seq, order_id, amount, idem_key, at FROM charges ORDER BY seq";
 

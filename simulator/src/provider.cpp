@@ -18,7 +18,7 @@ struct Provider::Ledger {
   sqlite::BusyPolicy busy{std::chrono::seconds(30), {}};
   sqlite::Connection db;
   sqlite::TransactionStatements tx;
-  std::unique_ptr<sqlite::Statement> find, insert, count, all;
+  std::unique_ptr<sqlite::Statement> find, insert, count, all, page;
 
   explicit Ledger(const std::string& path)
       : db(sqlite::open_connection(path.empty() ? ":memory:" : path, &busy)), tx(db.get()) {
@@ -35,6 +35,7 @@ struct Provider::Ledger {
     insert = make(sql::kInsert);
     count = make(sql::kCount);
     all = make(sql::kAll);
+    page = make(sql::kPage);
   }
 };
 
@@ -122,16 +123,32 @@ ChargeResult Provider::finish(const PendingCharge& p) {
   return result;
 }
 
-std::vector<Charge> Provider::charges() const {
-  std::lock_guard lock(mutex_);
-  sqlite::Statement& s = *ledger_->all;
-  sqlite::ResetGuard reset(s);
+namespace {
+
+std::vector<Charge> read_charges(sqlite::Statement& s) {
   std::vector<Charge> out;
   while (s.step()) {
     out.push_back(Charge{charge_id(s.int64(0)), s.text(1), s.int64(2), s.text(3),
                          TimePoint(std::chrono::milliseconds(s.int64(4)))});
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<Charge> Provider::charges() const {
+  std::lock_guard lock(mutex_);
+  sqlite::ResetGuard reset(*ledger_->all);
+  return read_charges(*ledger_->all);
+}
+
+std::vector<Charge> Provider::charges_after(std::int64_t after, std::size_t limit) const {
+  std::lock_guard lock(mutex_);
+  sqlite::Statement& s = *ledger_->page;
+  sqlite::ResetGuard reset(s);
+  s.bind(1, after);
+  s.bind(2, static_cast<std::int64_t>(limit));
+  return read_charges(s);
 }
 
 std::size_t Provider::charge_count() const {

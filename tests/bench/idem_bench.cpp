@@ -1,9 +1,9 @@
 // scripts/bench: what idem costs, measured against the bare SQLite floor in the same run.
 //
-//   idem_bench [--quick] [--json] [--dir DIR] [--only
-//   calls,sweep,processes,handoff,growth,purge,bytes] idem_bench --child ... one process of a
-//   multi-process scenario idem_bench --chart RESULTS.json OUT.svg      the README's chart from a
-//   --json run
+//   idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...]
+//       sections: calls,sweep,processes,handoff,growth,purge,bytes,http
+//   idem_bench --child ...                     one process of a multi-process scenario
+//   idem_bench --chart RESULTS.json OUT.svg    the README's chart from a --json run
 #include <utility>  // before Asio (Boost 1.74)
 
 #include <fcntl.h>
@@ -30,6 +30,7 @@
 
 #include "bench.hpp"
 #include "floor_sql.hpp"
+#include "http_bench.hpp"
 #include "idem/asio.hpp"
 #include "idem/coordinator.hpp"
 #include "idem/internal/sqlite.hpp"
@@ -834,6 +835,16 @@ int run_all(const Config& c) {
         fmt::format("bytes on disk per stored key: {:.0f}", o["bytes_per_key"].get<double>()));
   }
 
+  // 9. HTTP: the demo server end to end, with its idempotency layer and without.
+  if (c.wants("http")) {
+    try {
+      o.update(run_http(c.quick, c.dir, report.human ? &std::cout : nullptr));
+    } catch (const std::exception& e) {
+      std::cerr << "idem_bench: " << e.what() << '\n';
+      return 1;
+    }
+  }
+
   if (c.json_out) std::cout << o.dump(2) << '\n';
   return 0;
 }
@@ -867,7 +878,7 @@ int main(int argc, char** argv) {
       for (std::string name; std::getline(list, name, ',');) c.only.push_back(name);
     } else {
       std::cerr << "usage: idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...]\n"
-                   "sections: calls sweep processes handoff growth purge bytes\n";
+                   "sections: calls sweep processes handoff growth purge bytes http\n";
       return 2;
     }
   }

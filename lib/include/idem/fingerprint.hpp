@@ -6,6 +6,7 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace idem {
 
@@ -37,6 +38,7 @@ class Fingerprint {
   // field holds a string that is not valid UTF-8. Fields not named are never looked at.
   static Fingerprint of(const nlohmann::json& request,
                         std::initializer_list<std::string_view> significant);
+  static Fingerprint of(const nlohmann::json& request, const std::vector<std::string>& significant);
 
   // From already canonical bytes (a caller with its own encoding). Prefixed like v1. Any
   // bytes are accepted; throws only what allocation throws.

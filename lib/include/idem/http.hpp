@@ -3,8 +3,12 @@
 // Successes and stored business outcomes keep the status and body the action returned;
 // replays carry "Idempotent-Replayed: true". idem's errors become RFC 9457 problem
 // details (application/problem+json) with an extra member "error" holding a stable code.
+// Free of any HTTP library: idem/beast.hpp (target idem::http) builds a whole layer for
+// Boost.Beast handlers on these pieces.
 #pragma once
 
+#include <optional>
+#include <string>
 #include <string_view>
 
 #include "idem/coordinator.hpp"
@@ -15,6 +19,17 @@ namespace idem {
 
 // The header that marks a replayed response.
 inline constexpr std::string_view kReplayedHeader = "Idempotent-Replayed";
+// The header that says until when the key is remembered (an HTTP-date).
+inline constexpr std::string_view kExpiresHeader = "Idempotency-Key-Expires";
+
+// The key carried by one Idempotency-Key field value: an RFC 8941 sf-string ("..." with \"
+// and \\ escapes, printable ASCII inside), or, as many clients send it, the bare key
+// (no DQUOTE, no comma: a comma-joined list of keys is not one key). nullopt when the
+// value is neither. The key's own rules (1..255 bytes...) are validate_key_part's.
+std::optional<std::string> parse_idempotency_key(std::string_view value);
+
+// An IMF-fixdate (RFC 9110 §5.6.7), e.g. "Sun, 06 Nov 1994 08:49:37 GMT".
+std::string http_date(TimePoint t);
 
 // 400 invalid_key and invalid_argument, 422 key_reuse, 409 in_progress and lease_lost,
 // 503 store_unavailable.

@@ -103,6 +103,8 @@ class Provider {
   // The bank statement.
   std::size_t charge_count() const;
   std::vector<Charge> charges() const;
+  // At most `limit` charges made after charge "ch_<after>" (0: from the first), in order.
+  std::vector<Charge> charges_after(std::int64_t after, std::size_t limit) const;
   std::vector<std::string> charge_ids() const;
 
   // Called with a line for each charge made or refused (for timelines).

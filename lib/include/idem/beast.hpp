@@ -1,0 +1,156 @@
+// idem — the HTTP layer: idempotency keys (draft-ietf-httpapi-idempotency-key-header) in
+// front of any Boost.Beast request handler, plain or coroutine (target idem::http).
+//
+//   idem::http::Layer layer(coordinator);                   // POST and PATCH protected
+//   Reply r = layer.handle(request, [&](const Request& req, const Context& call) {
+//     return create_order(req, derived_key(call.id, "order"));  // runs once per key
+//   });
+//
+// For each request the layer decides whether it is protected (by method, per layer), reads
+// the key (one Idempotency-Key field: an RFC 8941 sf-string or a bare key), the tenant, the
+// operation and the fingerprint, and runs the handler through the coordinator. What the
+// client sees (README, "HTTP"):
+//   400 idempotency_key_required / idempotency_key_invalid - no key (when required), a
+//       malformed one, or the field sent twice; the handler does not run, nothing is stored;
+//   409 idempotency_key_in_use with Retry-After (whole seconds, >= 1) - the key is held by
+//       a request still running (InFlight::raise, or a wait that ran out);
+//   422 idempotency_key_reuse - a live key with another fingerprint; the record is untouched;
+//   503 store_unavailable - the store failed under FailureMode::fail_closed;
+//   409 lease_lost - the handler ran but its lease was taken over (its reply is not sent);
+//   the handler's reply otherwise: stored when LayerOptions::store says so (2xx and 4xx by
+//   default) and then replayed to every duplicate with status, the headers the handler set
+//   and the body bytes, plus "Idempotent-Replayed: true" and "Idempotency-Key-Expires";
+//   a reply that is not stored (5xx by default) releases the key, so the retry runs again.
+// Errors are application/problem+json (RFC 9457) with a stable "error" member (idem/http.hpp).
+//
+// This header brings Beast and Asio; the rest of idem needs neither.
+#pragma once
+
+#include <utility>  // Boost 1.74's awaitable.hpp needs std::exchange declared first
+
+#include <boost/asio/awaitable.hpp>
+#include <boost/beast/http/message.hpp>
+#include <boost/beast/http/string_body.hpp>
+#include <boost/beast/http/verb.hpp>
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "idem/coordinator.hpp"
+
+namespace idem::http {
+
+using Request = boost::beast::http::request<boost::beast::http::string_body>;
+using Reply = boost::beast::http::response<boost::beast::http::string_body>;
+using Verb = boost::beast::http::verb;
+
+// What a handler learns about its call.
+struct Context {
+  // The record's identity (for derived_key()). Empty parts when the request is not
+  // protected: a method the layer passes through, or no key under key_required = false.
+  KeyId id;
+  bool protected_call = false;
+};
+
+// The two shapes of handler the layer runs. A handler's exception propagates out of the
+// layer unchanged after the key is released (the retry runs again).
+using Handler = std::function<Reply(const Request&, const Context&)>;
+using AsyncHandler = std::function<boost::asio::awaitable<Reply>(const Request&, const Context&)>;
+
+struct LayerOptions {
+  // The methods this layer protects; any other method passes through to the handler
+  // untouched even with a key (a GET is never replayed). One layer per route gives each
+  // route its own set. Default: POST and PATCH.
+  std::vector<Verb> methods{Verb::post, Verb::patch};
+
+  // The key's header field, matched case-insensitively. Default: Idempotency-Key.
+  std::string key_header = "Idempotency-Key";
+
+  // true: a protected request without a key is 400 idempotency_key_required and nothing
+  // runs. false: it runs once, unprotected (Context::protected_call false). Default: true.
+  bool key_required = true;
+
+  // The tenant of a request (e.g. from its credentials), or empty for default_tenant. Runs
+  // only for protected requests with a key. May throw idem::error (mapped like idem's own)
+  // or anything else (propagates).
+  std::function<std::string(const Request&)> tenant{};
+  std::string default_tenant = "default";
+
+  // The operation, or empty for "<METHOD> <path>" (the target without its query).
+  std::function<std::string(const Request&)> operation{};
+
+  // The request's fingerprint, or empty for the default: a digest of the Content-Type
+  // field value and the body bytes. json_fields() builds one from named JSON fields.
+  std::function<Fingerprint(const Request&)> fingerprint{};
+
+  // Validation that runs after the key is read and before anything is stored: a reply it
+  // returns is sent as it is, nothing is stored and the key stays free. Default: none.
+  std::function<std::optional<Reply>(const Request&)> check{};
+
+  // Which replies are outcomes, stored and replayed. Default: status below 500 (2xx, 3xx
+  // and 4xx such as a 402 decline are outcomes; a 5xx is a failure: the key is released).
+  std::function<bool(const Reply&)> store{};
+
+  // Replies with a body over large_body bytes are large. The coordinator keeps bodies
+  // over Options::inline_body_limit in its PayloadStore by reference; with
+  // replay_large_bodies = false a large body is not kept at all, and a replay carries
+  // status and headers, an empty body and "Idempotent-Body-Omitted: <bytes>".
+  std::size_t large_body = std::size_t{1} << 20;
+  bool replay_large_bodies = true;
+
+  // Retry-After of a 409: the holder's remaining lease, capped by how long this layer's
+  // runs of the operation usually take (a moving average), or by expected_duration before
+  // the first run finished; rounded up to whole seconds, at least 1.
+  std::chrono::milliseconds expected_duration{std::chrono::seconds(1)};
+
+  // Where the service documents its idempotency policy (which routes need a key, how long
+  // keys live): sent as Link: <url>; rel="describedby" on the layer's 400 and 422 answers,
+  // as the draft asks. Default: none.
+  std::string documentation{};
+
+  // Overrides Options::in_flight for this layer's calls. Default: the coordinator's.
+  std::optional<InFlight> in_flight{};
+
+  // Times handler runs for Retry-After. Default: the system clock.
+  std::shared_ptr<Clock> clock{};
+};
+
+// A fingerprint of the named top-level fields of a JSON body (Fingerprint::of). A body
+// that is not JSON is 400 invalid_request, nothing stored.
+std::function<Fingerprint(const Request&)> json_fields(std::vector<std::string> fields);
+
+// Thread-safety: one Layer may serve many threads and io_contexts at once.
+class Layer {
+ public:
+  // Throws idem::error(errc::invalid_argument) for an empty key_header or default_tenant.
+  // `coordinator` must outlive the layer.
+  explicit Layer(Coordinator& coordinator, LayerOptions options = {});
+  ~Layer();
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+
+  // The reply for `request`, running `handler` at most once per key (blocking handlers,
+  // Coordinator::call). Never throws for a bad request; rethrows the handler's exceptions.
+  Reply handle(const Request& request, const Handler& handler);
+
+  // The same for coroutine handlers (async_call). `request` and `handler` must live until
+  // the returned awaitable completes: co_await it at once.
+  boost::asio::awaitable<Reply> async_handle(const Request& request, const AsyncHandler& handler);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// idem's error as a reply (problem+json; InProgressError with Retry-After from the lease).
+Reply to_reply(const error& e);
+
+// A Response (idem/response.hpp, idem/http.hpp's problem()) as a reply: status, headers in
+// order, body, Content-Length.
+Reply to_reply(const Response& r);
+
+}  // namespace idem::http

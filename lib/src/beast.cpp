@@ -1,0 +1,280 @@
+#include "idem/beast.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <boost/beast/http/field.hpp>
+#include <cctype>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+
+#include "idem/asio.hpp"
+#include "idem/http.hpp"
+#include "sha256.hpp"
+
+namespace idem::http {
+namespace {
+
+// Thrown out of the coordinator's action when the storage policy says the handler's reply
+// is not an outcome: the coordinator releases the key and rethrows it; the layer then sends
+// the reply it kept.
+struct Unstored {};
+
+std::string_view sv(boost::beast::string_view s) { return {s.data(), s.size()}; }
+
+bool iequals(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) ==
+                  std::tolower(static_cast<unsigned char>(y));
+         });
+}
+
+// Fields about this connection or this message's framing: never stored, never replayed
+// (the server that sends the replay writes its own).
+bool per_message(std::string_view name) {
+  for (std::string_view f : {"Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length",
+                             "TE", "Trailer", "Upgrade", "Proxy-Connection", "Date", "Server"}) {
+    if (iequals(name, f)) return true;
+  }
+  return false;
+}
+
+std::string_view path_of(const Request& req) {
+  const std::string_view target = sv(req.target());
+  return target.substr(0, target.find('?'));
+}
+
+std::string default_operation(const Request& req) {
+  std::string op = fmt::format("{} {}", sv(req.method_string()), path_of(req));
+  if (op.size() <= kMaxKeyBytes) return op;
+  // A path too long for an operation name: its start and a digest of the whole.
+  return fmt::format("{}#{}", op.substr(0, 200), detail::hex(detail::sha256({op}), 16));
+}
+
+Fingerprint default_fingerprint(const Request& req) {
+  // A field value holds no line break, so "<content type>\n<body>" is unambiguous.
+  const auto type = req.find(boost::beast::http::field::content_type);
+  std::string canonical = type == req.end() ? std::string() : std::string(type->value());
+  canonical += '\n';
+  canonical += req.body();
+  return Fingerprint::of_bytes(canonical);
+}
+
+}  // namespace
+
+std::function<Fingerprint(const Request&)> json_fields(std::vector<std::string> fields) {
+  return [fields = std::move(fields)](const Request& req) {
+    const nlohmann::json body = nlohmann::json::parse(req.body(), nullptr, false);
+    if (body.is_discarded()) throw error(errc::invalid_argument, "the body is not valid JSON");
+    if (!body.is_object()) throw error(errc::invalid_argument, "the body must be a JSON object");
+    return Fingerprint::of(body, fields);
+  };
+}
+
+Reply to_reply(const Response& r) {
+  Reply out;
+  out.version(11);
+  out.result(static_cast<unsigned>(r.status));
+  for (const Header& h : r.headers) out.insert(h.name, h.value);
+  out.body() = r.body;
+  out.prepare_payload();
+  return out;
+}
+
+Reply to_reply(const error& e) { return to_reply(to_http(e)); }
+
+struct Layer::Impl {
+  Coordinator& coordinator;
+  LayerOptions o;
+  std::mutex mutex;
+  std::unordered_map<std::string, double> usual_ms;  // operation -> moving average of runs
+
+  Impl(Coordinator& c, LayerOptions options) : coordinator(c), o(std::move(options)) {
+    if (o.key_header.empty())
+      throw error(errc::invalid_argument, "LayerOptions::key_header is empty");
+    if (o.default_tenant.empty())
+      throw error(errc::invalid_argument, "LayerOptions::default_tenant is empty");
+    if (o.expected_duration.count() <= 0)
+      throw error(errc::invalid_argument, "LayerOptions::expected_duration must be positive");
+    if (!o.clock) o.clock = std::make_shared<SystemClock>();
+  }
+
+  // What prepare() decided.
+  struct Prepared {
+    std::optional<Reply> answer;  // sent at once; the handler does not run
+    bool protect = false;         // false (and no answer): pass through to the handler
+    idem::Request call;
+    Context context;
+  };
+
+  Reply key_problem(std::string_view code, std::string_view title, std::string detail) const {
+    return documented(to_reply(problem(400, code, title, detail)));
+  }
+
+  // The draft asks 400 and 422 answers to point at the service's documentation.
+  Reply documented(Reply r) const {
+    const unsigned status = r.result_int();
+    if (!o.documentation.empty() && (status == 400 || status == 422))
+      r.set(boost::beast::http::field::link,
+            fmt::format("<{}>; rel=\"describedby\"", o.documentation));
+    return r;
+  }
+
+  Prepared prepare(const Request& req) {
+    Prepared p;
+    if (std::find(o.methods.begin(), o.methods.end(), req.method()) == o.methods.end()) return p;
+    const auto [first, last] = req.equal_range(o.key_header);
+    const auto fields = std::distance(first, last);
+    if (fields == 0) {
+      if (!o.key_required) return p;
+      p.answer = key_problem(
+          "idempotency_key_required", "Idempotency key required",
+          fmt::format("{} {} needs an {} header: a client-generated key (a UUID) sent unchanged "
+                      "with every retry of this request",
+                      sv(req.method_string()), path_of(req), o.key_header));
+      return p;
+    }
+    if (fields > 1) {
+      p.answer = key_problem("idempotency_key_invalid", "Invalid idempotency key",
+                             fmt::format("{} was sent {} times; a request carries exactly one key",
+                                         o.key_header, fields));
+      return p;
+    }
+    const std::optional<std::string> key = parse_idempotency_key(sv(first->value()));
+    if (!key) {
+      p.answer = key_problem(
+          "idempotency_key_invalid", "Invalid idempotency key",
+          fmt::format("{} is neither a bare key nor one RFC 8941 string (a list is not a key)",
+                      o.key_header));
+      return p;
+    }
+    try {
+      validate_key_part("key", *key);
+      if (o.check) {
+        if (std::optional<Reply> refused = o.check(req)) {
+          p.answer = std::move(refused);
+          return p;
+        }
+      }
+      p.call.tenant = o.tenant ? o.tenant(req) : std::string();
+      if (p.call.tenant.empty()) p.call.tenant = o.default_tenant;
+      p.call.operation = o.operation ? o.operation(req) : default_operation(req);
+      p.call.key = *key;
+      p.call.fingerprint = o.fingerprint ? o.fingerprint(req) : default_fingerprint(req);
+      p.call.in_flight = o.in_flight;
+    } catch (const error& e) {
+      p.answer = documented(to_reply(e));
+      return p;
+    }
+    p.protect = true;
+    p.context = Context{KeyId{p.call.tenant, p.call.operation, *key}, true};
+    return p;
+  }
+
+  // The record's form of a reply the handler returned; throws Unstored when it is not an
+  // outcome.
+  Response stored_form(const Reply& r) const {
+    const bool outcome = o.store ? o.store(r) : r.result_int() < 500;
+    if (!outcome) throw Unstored{};
+    Response s;
+    s.status = static_cast<int>(r.result_int());
+    for (const auto& f : r) {
+      if (!per_message(sv(f.name_string())))
+        s.headers.push_back({std::string(f.name_string()), std::string(f.value())});
+    }
+    if (!o.replay_large_bodies && r.body().size() > o.large_body) {
+      s.headers.push_back({"Idempotent-Body-Omitted", std::to_string(r.body().size())});
+    } else {
+      s.body = r.body();
+    }
+    return s;
+  }
+
+  // What the client gets for a call that returned: the handler's own reply when it ran in
+  // this call, the stored one otherwise; marked as a replay and with the key's expiry.
+  static Reply answer(const Outcome& out, std::optional<Reply>& ran) {
+    Reply r = !out.replayed() && ran ? std::move(*ran) : to_reply(out.response);
+    if (out.replayed()) r.set(std::string(kReplayedHeader), "true");
+    if (out.expires_at != TimePoint{})
+      r.set(std::string(kExpiresHeader), http_date(out.expires_at));
+    return r;
+  }
+
+  void ran(const std::string& operation, TimePoint started) {
+    const double ms = static_cast<double>((o.clock->now() - started).count());
+    std::lock_guard lock(mutex);
+    const auto [it, fresh] = usual_ms.try_emplace(operation, ms);
+    if (!fresh) it->second = 0.8 * it->second + 0.2 * ms;
+  }
+
+  Reply refusal(const error& e, const std::string& operation) {
+    Reply r = documented(to_reply(e));
+    if (const auto* busy = dynamic_cast<const InProgressError*>(&e)) {
+      double usual = static_cast<double>(o.expected_duration.count());
+      {
+        std::lock_guard lock(mutex);
+        if (const auto it = usual_ms.find(operation); it != usual_ms.end()) usual = it->second;
+      }
+      const double ms = std::min(static_cast<double>(busy->retry_after().count()), usual);
+      const auto seconds = static_cast<long long>((ms + 999) / 1000);
+      r.set(boost::beast::http::field::retry_after, std::to_string(std::max(1LL, seconds)));
+    }
+    return r;
+  }
+};
+
+Layer::Layer(Coordinator& coordinator, LayerOptions options)
+    : impl_(std::make_unique<Impl>(coordinator, std::move(options))) {}
+Layer::~Layer() = default;
+
+Reply Layer::handle(const Request& request, const Handler& handler) {
+  Impl& d = *impl_;
+  Impl::Prepared p = d.prepare(request);
+  if (p.answer) return std::move(*p.answer);
+  if (!p.protect) return handler(request, p.context);
+  const std::string operation = p.call.operation;
+  std::optional<Reply> ran;
+  try {
+    const Outcome out = d.coordinator.call(std::move(p.call), [&] {
+      const TimePoint started = d.o.clock->now();
+      ran = handler(request, p.context);
+      d.ran(operation, started);
+      return d.stored_form(*ran);
+    });
+    return Impl::answer(out, ran);
+  } catch (const Unstored&) {
+    return std::move(*ran);
+  } catch (const error& e) {
+    return d.refusal(e, operation);
+  }
+}
+
+boost::asio::awaitable<Reply> Layer::async_handle(const Request& request,
+                                                  const AsyncHandler& handler) {
+  Impl& d = *impl_;
+  Impl::Prepared p = d.prepare(request);
+  if (p.answer) co_return std::move(*p.answer);
+  if (!p.protect) co_return co_await handler(request, p.context);
+  const std::string operation = p.call.operation;
+  std::optional<Reply> ran;
+  std::optional<Reply> answer;
+  try {
+    // (a named action: g++ 12 destroys temporaries in a co_await expression twice)
+    AsyncAction action = [&]() -> boost::asio::awaitable<Response> {
+      const TimePoint started = d.o.clock->now();
+      ran = co_await handler(request, p.context);
+      d.ran(operation, started);
+      co_return d.stored_form(*ran);
+    };
+    const Outcome out = co_await async_call(d.coordinator, std::move(p.call), std::move(action));
+    answer = Impl::answer(out, ran);
+  } catch (const Unstored&) {
+    answer = std::move(*ran);
+  } catch (const error& e) {
+    answer = d.refusal(e, operation);
+  }
+  co_return std::move(*answer);
+}
+
+}  // namespace idem::http
