@@ -64,6 +64,21 @@ std::string post_bytes(const std::string& extra_headers, const std::string& body
          "\r\nConnection: close\r\n\r\n" + body;
 }
 
+// The exit status of child `pid` (or 128 + signal), waiting at most `bound` (a failure
+// bound, not a measurement); a child still running then is killed and -1 returned.
+int wait_bounded(pid_t pid, std::chrono::seconds bound) {
+  const auto give_up = std::chrono::steady_clock::now() + bound;
+  int status = 0;
+  while (std::chrono::steady_clock::now() < give_up) {
+    if (::waitpid(pid, &status, WNOHANG) == pid)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    std::this_thread::sleep_for(10ms);  // polling a child's exit; nothing is asserted on time
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  return -1;
+}
+
 // `idem-demo serve ...` as a child process (through /bin/sh, for `ulimit`), its stderr on a
 // pipe; the constructor returns once the child printed the port it serves on.
 struct ServeProcess {
@@ -104,20 +119,11 @@ struct ServeProcess {
     REQUIRE_MESSAGE(port != 0, log);
   }
 
-  // The exit status (or 128 + signal), waiting at most `bound` (a failure bound, not a
-  // measurement): -1 if the child is still running then.
+  // The child's exit status, waiting at most `bound` (wait_bounded).
   int wait(std::chrono::seconds bound) {
-    const auto give_up = std::chrono::steady_clock::now() + bound;
-    int status = 0;
-    while (std::chrono::steady_clock::now() < give_up) {
-      const pid_t r = ::waitpid(pid, &status, WNOHANG);
-      if (r == pid) {
-        pid = 0;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(10ms);  // polling a child's exit; nothing is asserted on time
-    }
-    return -1;
+    const int status = wait_bounded(pid, bound);
+    pid = 0;
+    return status;
   }
 
   std::string stderr_text() {
@@ -196,9 +202,10 @@ TEST_CASE("hardening: an API keys file with no key or a repeated key refuses to 
   }
   CHECK_THROWS_WITH(idem::demo::load_api_keys(dir.file("repeated.txt")),
                     doctest::Contains("repeated.txt:3: API key repeated (first on line 1)"));
-  // The command refuses too, with the message, instead of serving the public demo keys.
-  const pid_t pid = [&] {
-    pid_t p = 0;
+  // The command refuses too, with the message, instead of serving the public demo keys
+  // (before the fix it served them: the bounded wait below ran out).
+  pid_t pid = 0;
+  {
     std::vector<std::string> a = {
         IDEM_DEMO, "serve",          "--port",     "0",
         "--db",    dir.file("d.db"), "--api-keys", dir.file("comments.txt")};
@@ -209,14 +216,10 @@ TEST_CASE("hardening: an API keys file with no key or a repeated key refuses to 
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_addopen(&actions, 2, dir.file("err.txt").c_str(),
                                      O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    REQUIRE(posix_spawn(&p, IDEM_DEMO, &actions, nullptr, argv.data(), environ) == 0);
+    REQUIRE(posix_spawn(&pid, IDEM_DEMO, &actions, nullptr, argv.data(), environ) == 0);
     posix_spawn_file_actions_destroy(&actions);
-    return p;
-  }();
-  int status = 0;
-  REQUIRE(waitpid(pid, &status, 0) == pid);
-  CHECK(WIFEXITED(status));
-  CHECK(WEXITSTATUS(status) == 1);
+  }
+  CHECK(wait_bounded(pid, 30s) == 1);
   std::stringstream err;
   err << std::ifstream(dir.file("err.txt")).rdbuf();
   CHECK(err.str().find("no API keys") != std::string::npos);
