@@ -290,6 +290,17 @@ TEST_CASE("http layer: POST /reset is outside the layer, a bad route parameter s
   CHECK(raw.rows() == 1);  // k1's only
 }
 
+TEST_CASE("http layer: the policy is published, expiry included") {
+  Fixture f;
+  HttpClient c(f.port());
+  const json policy = json::parse(c.send("GET", "/idempotency").body);
+  CHECK(policy.at("header") == "Idempotency-Key");
+  CHECK(policy.at("methods") == json::array({"POST", "PATCH"}));
+  CHECK(policy.at("key_required") == true);
+  CHECK(policy.at("expires_after_seconds") == 24 * 3600);
+  CHECK(policy.at("in_flight") == "409 with Retry-After");
+}
+
 TEST_CASE("http layer: the same key on two routes is two operations") {
   Fixture f;
   HttpClient c(f.port());
@@ -386,4 +397,9 @@ TEST_CASE("http layer (blocking): options a route sets: tenant, key_required, ba
   idem::http::LayerOptions bad;
   bad.key_header = "";
   CHECK_THROWS_AS(idem::http::Layer(*w.idem, bad), idem::error);
+  idem::http::LayerOptions renamed;
+  renamed.replayed_header = "Idempotency-Replayed";
+  idem::http::Layer other(*w.idem, renamed);
+  other.handle(post("n1", "q"), h);
+  CHECK(other.handle(post("n1", "q"), h)["Idempotency-Replayed"] == "true");
 }

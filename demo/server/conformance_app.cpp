@@ -119,6 +119,8 @@ net::awaitable<Reply> ConformanceApp::handle(Request req, Peer) {
       target.find('?') == std::string_view::npos ? "" : target.substr(target.find('?') + 1);
   if (path == "/healthz" && req.method() == bh::verb::get)
     co_return body_reply(200, R"({"status":"ok"})", "application/json");
+  if (path == "/idempotency" && req.method() == bh::verb::get)
+    co_return body_reply(200, d.layer->policy(), "application/json");
   if (path == "/reset") {
     if (req.method() != bh::verb::post) {
       Reply r = problem_reply(405, "method_not_allowed", "Method not allowed", "POST only");

@@ -9,6 +9,7 @@
 //   GET  /counter       200 {"count": n}: how many times the four routes above ran (behind
 //                       the layer, which passes GETs through: a key on it is ignored)
 //   POST /reset         204, the counter set to 0 (outside the layer, no key needed)
+//   GET  /idempotency   200, the layer's published policy (Layer::policy())
 //   GET  /healthz       200
 // Bodies over 1 MiB are kept by reference in a FilePayloadStore beside the database.
 #pragma once

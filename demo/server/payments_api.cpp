@@ -178,7 +178,6 @@ struct PaymentsApi::Impl {
       if (body.is_discarded()) return invalid_request("the body is not valid JSON");
       return check_payment(body);
     };
-    layer_options.clock = clock;
     layer = std::make_unique<http::Layer>(*idem, std::move(layer_options));
     db = sqlite::open_connection(options.db, &busy);
     sqlite::enable_wal(db.get(), busy);
@@ -331,6 +330,10 @@ net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
     if (path == "/healthz") {
       if (!get) co_return method_not_allowed("GET");
       co_return json_reply(200, {{"status", "ok"}});
+    }
+    if (path == "/v1/idempotency") {
+      if (!get) co_return method_not_allowed("GET");
+      co_return body_reply(200, d.layer->policy(), "application/json");
     }
     if (path == "/metrics" || path == "/v1/provider/charges") {
       if (!get) co_return method_not_allowed("GET");

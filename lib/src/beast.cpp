@@ -97,7 +97,8 @@ struct Layer::Impl {
       throw error(errc::invalid_argument, "LayerOptions::default_tenant is empty");
     if (o.expected_duration.count() <= 0)
       throw error(errc::invalid_argument, "LayerOptions::expected_duration must be positive");
-    if (!o.clock) o.clock = std::make_shared<SystemClock>();
+    if (o.replayed_header.empty())
+      throw error(errc::invalid_argument, "LayerOptions::replayed_header is empty");
   }
 
   // What prepare() decided.
@@ -193,33 +194,37 @@ struct Layer::Impl {
 
   // What the client gets for a call that returned: the handler's own reply when it ran in
   // this call, the stored one otherwise; marked as a replay and with the key's expiry.
-  static Reply answer(const Outcome& out, std::optional<Reply>& ran) {
+  Reply answer(const Outcome& out, std::optional<Reply>& ran) const {
     Reply r = !out.replayed() && ran ? std::move(*ran) : to_reply(out.response);
-    if (out.replayed()) r.set(std::string(kReplayedHeader), "true");
+    if (out.replayed()) r.set(o.replayed_header, "true");
     if (out.expires_at != TimePoint{})
       r.set(std::string(kExpiresHeader), http_date(out.expires_at));
     return r;
   }
 
   void ran(const std::string& operation, TimePoint started) {
-    const double ms = static_cast<double>((o.clock->now() - started).count());
+    const double ms = static_cast<double>((coordinator.clock().now() - started).count());
     std::lock_guard lock(mutex);
     const auto [it, fresh] = usual_ms.try_emplace(operation, ms);
     if (!fresh) it->second = 0.8 * it->second + 0.2 * ms;
   }
 
   Reply refusal(const error& e, const std::string& operation) {
-    Reply r = documented(to_reply(e));
-    if (const auto* busy = dynamic_cast<const InProgressError*>(&e)) {
-      double usual = static_cast<double>(o.expected_duration.count());
-      {
-        std::lock_guard lock(mutex);
-        if (const auto it = usual_ms.find(operation); it != usual_ms.end()) usual = it->second;
-      }
-      const double ms = std::min(static_cast<double>(busy->retry_after().count()), usual);
-      const auto seconds = static_cast<long long>((ms + 999) / 1000);
-      r.set(boost::beast::http::field::retry_after, std::to_string(std::max(1LL, seconds)));
+    const auto* busy = dynamic_cast<const InProgressError*>(&e);
+    if (busy == nullptr) return documented(to_reply(e));
+    double usual = static_cast<double>(o.expected_duration.count());
+    {
+      std::lock_guard lock(mutex);
+      if (const auto it = usual_ms.find(operation); it != usual_ms.end()) usual = it->second;
     }
+    const double ms = std::min(static_cast<double>(busy->retry_after().count()), usual);
+    const long long seconds = std::max(1LL, static_cast<long long>((ms + 999) / 1000));
+    Reply r = to_reply(
+        problem(409, http_error_code(e), "A request with this idempotency key is in progress",
+                fmt::format("a request with this idempotency key is in progress; retry after {} s "
+                            "(it holds the key for up to {} ms more)",
+                            seconds, busy->retry_after().count())));
+    r.set(boost::beast::http::field::retry_after, std::to_string(seconds));
     return r;
   }
 };
@@ -237,17 +242,54 @@ Reply Layer::handle(const Request& request, const Handler& handler) {
   std::optional<Reply> ran;
   try {
     const Outcome out = d.coordinator.call(std::move(p.call), [&] {
-      const TimePoint started = d.o.clock->now();
+      const TimePoint started = d.coordinator.clock().now();
       ran = handler(request, p.context);
       d.ran(operation, started);
       return d.stored_form(*ran);
     });
-    return Impl::answer(out, ran);
+    return d.answer(out, ran);
   } catch (const Unstored&) {
     return std::move(*ran);
   } catch (const error& e) {
     return d.refusal(e, operation);
   }
+}
+
+std::string Layer::policy() const {
+  const Impl& d = *impl_;
+  nlohmann::json methods = nlohmann::json::array();
+  for (Verb v : d.o.methods) methods.push_back(sv(boost::beast::http::to_string(v)));
+  const Options& c = d.coordinator.options();
+  const InFlight in_flight = d.o.in_flight.value_or(c.in_flight);
+  const auto seconds = [](std::chrono::milliseconds ms) { return ms.count() / 1000; };
+  nlohmann::json ttl_by_operation = nlohmann::json::object();
+  for (const auto& [operation, ttl] : c.ttl_by_operation)
+    ttl_by_operation[operation] = seconds(ttl);
+  const nlohmann::json policy = {
+      {"specification", "draft-ietf-httpapi-idempotency-key-header-07"},
+      {"header", d.o.key_header},
+      {"methods", methods},
+      {"key_required", d.o.key_required},
+      {"key_format", fmt::format("an RFC 8941 sf-string or a bare value without comma or quote; "
+                                 "1 to {} printable ASCII bytes",
+                                 kMaxKeyBytes)},
+      {"scope", d.o.tenant ? "tenant (from the request's credentials), operation, key"
+                           : "operation, key (one tenant)"},
+      {"operation", d.o.operation ? "named by the service" : "method and path"},
+      {"fingerprint", d.o.fingerprint ? "named request fields" : "Content-Type and body bytes"},
+      {"reuse_with_another_payload", 422},
+      {"expires_after_seconds", seconds(c.ttl)},
+      {"expires_after_seconds_by_operation", ttl_by_operation},
+      {"in_flight", in_flight == InFlight::wait
+                        ? "the duplicate waits for the first and gets its response"
+                        : "409 with Retry-After"},
+      {"stored", d.o.store ? "as the service decides" : "status below 500; a 5xx releases the key"},
+      {"replayed_header", d.o.replayed_header},
+      {"expires_header", kExpiresHeader},
+      {"on_store_failure", c.on_store_failure == FailureMode::fail_closed
+                               ? "503, nothing runs"
+                               : "the request runs unprotected"}};
+  return policy.dump();
 }
 
 boost::asio::awaitable<Reply> Layer::async_handle(const Request& request,
@@ -262,13 +304,13 @@ boost::asio::awaitable<Reply> Layer::async_handle(const Request& request,
   try {
     // (a named action: g++ 12 destroys temporaries in a co_await expression twice)
     AsyncAction action = [&]() -> boost::asio::awaitable<Response> {
-      const TimePoint started = d.o.clock->now();
+      const TimePoint started = d.coordinator.clock().now();
       ran = co_await handler(request, p.context);
       d.ran(operation, started);
       co_return d.stored_form(*ran);
     };
     const Outcome out = co_await async_call(d.coordinator, std::move(p.call), std::move(action));
-    answer = Impl::answer(out, ran);
+    answer = d.answer(out, ran);
   } catch (const Unstored&) {
     answer = std::move(*ran);
   } catch (const error& e) {

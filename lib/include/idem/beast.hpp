@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "idem/coordinator.hpp"
+#include "idem/http.hpp"
 
 namespace idem::http {
 
@@ -115,8 +116,9 @@ struct LayerOptions {
   // Overrides Options::in_flight for this layer's calls. Default: the coordinator's.
   std::optional<InFlight> in_flight{};
 
-  // Times handler runs for Retry-After. Default: the system clock.
-  std::shared_ptr<Clock> clock{};
+  // The header that marks a replay ("true"); no name is standard yet (Stripe's spelling is
+  // the default; some clients expect "Idempotency-Replayed").
+  std::string replayed_header{kReplayedHeader};
 };
 
 // A fingerprint of the named top-level fields of a JSON body (Fingerprint::of). A body
@@ -140,6 +142,11 @@ class Layer {
   // The same for coroutine handlers (async_call). `request` and `handler` must live until
   // the returned awaitable completes: co_await it at once.
   boost::asio::awaitable<Reply> async_handle(const Request& request, const AsyncHandler& handler);
+
+  // The layer's idempotency policy as JSON, for the service to publish (the draft asks every
+  // resource to): header, protected methods, whether the key is required, its format,
+  // scope, fingerprint, expiry (the coordinator's TTL), in-flight behaviour, what is stored.
+  std::string policy() const;
 
  private:
   struct Impl;
