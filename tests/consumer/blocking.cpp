@@ -3,6 +3,7 @@
 #include <idem/clock.hpp>
 #include <idem/coordinator.hpp>
 #include <idem/errors.hpp>
+#include <idem/file_payload_store.hpp>
 #include <idem/fingerprint.hpp>
 #include <idem/http.hpp>
 #include <idem/key.hpp>

@@ -26,4 +26,5 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G Nin
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/blocking_consumer)
 run(${WORK_DIR}/build/coroutine_consumer)
+run(${WORK_DIR}/build/http_consumer)
 file(REMOVE_RECURSE ${WORK_DIR})
