@@ -405,3 +405,28 @@ TEST_CASE("hardening: Retry-After of a 409 is capped by how long the operation u
   CHECK(holder.receive().status == 200);
   CHECK(s.server->api().provider().charge_count() == 2);
 }
+
+TEST_CASE("serve --app conformance: the fixture from the command line, layer on and off") {
+  idem::test::TempDir dir;
+  for (const bool layer : {true, false}) {
+    CAPTURE(layer);
+    std::vector<std::string> args = {"--app", "conformance", "--db",
+                                     dir.file(layer ? "on.db" : "off.db")};
+    if (!layer) args.push_back("--no-idempotency");
+    ServeProcess s("", args);
+    HttpClient c(s.port);
+    const Headers h = {{"Idempotency-Key", "cli-1"}, {"Content-Type", "text/plain"}};
+    const HttpReply first = c.send("POST", "/echo", h, "hello");
+    CHECK(first.status == 201);
+    CHECK(first.body == "hello");
+    CHECK(first.headers.at("content-type") == "text/plain");
+    const HttpReply again = c.send("POST", "/echo", h, "hello");
+    CHECK(again.has("idempotent-replayed") == layer);
+    CHECK(c.send("POST", "/echo", {}, "no key").status == (layer ? 400 : 201));
+    CHECK(c.send("GET", "/counter").body == (layer ? R"({"count":1})" : R"({"count":3})"));
+    CHECK(c.send("POST", "/reset").status == 204);
+    CHECK(c.send("GET", "/counter").body == R"({"count":0})");
+    ::kill(s.pid, SIGTERM);
+    CHECK(s.wait(20s) == 0);
+  }
+}
