@@ -16,10 +16,9 @@ using tcp = net::ip::tcp;
 
 int main() {
   idem::Coordinator idem(std::make_shared<idem::SqliteStore>(":memory:"), idem::Options{});
-  idem::http::LayerOptions options;                      // POST and PATCH protected, key required
-  options.tenant = [](const idem::http::Request& req) {  // scope keys per customer
-    return std::string(req["X-Customer"]);
-  };
+  idem::http::LayerOptions options;  // POST and PATCH protected, key required
+  // Scope keys per customer (in a real service, from verified credentials).
+  options.tenant = [](const idem::http::Request& req) { return std::string(req["X-Customer"]); };
   idem::http::Layer layer(idem, options);
 
   int orders = 0;  // the side effect that must not repeat

@@ -31,5 +31,7 @@ inline std::string_view sv(boost::beast::string_view s) { return {s.data(), s.si
 Reply problem_reply(int status, std::string_view code, std::string_view title,
                     std::string_view detail);
 Reply body_reply(int status, std::string body, std::string_view content_type);
+// 405 method_not_allowed with Allow: `allow`.
+Reply method_not_allowed(std::string_view allow);
 
 }  // namespace idem::demo

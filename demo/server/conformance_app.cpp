@@ -47,7 +47,9 @@ struct ConformanceApp::Impl {
     idem_options.payload_store = std::make_shared<FilePayloadStore>(options.db + ".payloads");
     idem = std::make_unique<Coordinator>(std::make_shared<SqliteStore>(options.db),
                                          std::move(idem_options));
-    layer = std::make_unique<http::Layer>(*idem);
+    http::LayerOptions layer_options;
+    layer_options.in_flight = options.policy;
+    layer = std::make_unique<http::Layer>(*idem, std::move(layer_options));
   }
 
   // A counted route, or nullopt when the request names none. Validation happens here,
@@ -122,11 +124,7 @@ net::awaitable<Reply> ConformanceApp::handle(Request req, Peer) {
   if (path == "/idempotency" && req.method() == bh::verb::get)
     co_return body_reply(200, d.layer->policy(), "application/json");
   if (path == "/reset") {
-    if (req.method() != bh::verb::post) {
-      Reply r = problem_reply(405, "method_not_allowed", "Method not allowed", "POST only");
-      r.set(bh::field::allow, "POST");
-      co_return r;
-    }
+    if (req.method() != bh::verb::post) co_return method_not_allowed("POST");
     d.counter = 0;
     Reply r;
     r.result(bh::status::no_content);
@@ -136,11 +134,7 @@ net::awaitable<Reply> ConformanceApp::handle(Request req, Peer) {
     // Behind the layer like any route; the layer passes a GET through even with a key.
     const http::AsyncHandler counter = [&d](const Request& r,
                                             const http::Context&) -> net::awaitable<Reply> {
-      if (r.method() != bh::verb::get) {
-        Reply no = problem_reply(405, "method_not_allowed", "Method not allowed", "GET only");
-        no.set(bh::field::allow, "GET");
-        co_return no;
-      }
+      if (r.method() != bh::verb::get) co_return method_not_allowed("GET");
       co_return body_reply(200, nlohmann::json{{"count", d.counter}}.dump(), "application/json");
     };
     co_return co_await d.layer->async_handle(req, counter);
@@ -148,11 +142,7 @@ net::awaitable<Reply> ConformanceApp::handle(Request req, Peer) {
   auto found = Impl::route(req, path, query);
   if (auto* refused = std::get_if<Reply>(&found)) co_return std::move(*refused);
   const Impl::Route route = std::get<Impl::Route>(found);
-  if (req.method() != bh::verb::post) {
-    Reply r = problem_reply(405, "method_not_allowed", "Method not allowed", "POST only");
-    r.set(bh::field::allow, "POST");
-    co_return r;
-  }
+  if (req.method() != bh::verb::post) co_return method_not_allowed("POST");
   const http::AsyncHandler handler = [&d, route](const Request& r, const http::Context&) {
     return d.run(route, r);
   };

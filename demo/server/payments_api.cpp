@@ -7,6 +7,7 @@
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/thread_pool.hpp>
 #include <boost/asio/use_awaitable.hpp>
+#include <boost/beast/core/string.hpp>
 #include <cctype>
 #include <charconv>
 #include <fstream>
@@ -25,22 +26,8 @@ namespace net = boost::asio;
 namespace bh = boost::beast::http;
 using nlohmann::json;
 
-bool iequals(std::string_view a, std::string_view b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
-           return std::tolower(static_cast<unsigned char>(x)) ==
-                  std::tolower(static_cast<unsigned char>(y));
-         });
-}
-
 Reply json_reply(int status, const json& body) {
   return body_reply(status, body.dump(), "application/json");
-}
-
-Reply method_not_allowed(std::string_view allow) {
-  Reply r = problem_reply(405, "method_not_allowed", "Method not allowed",
-                          fmt::format("this resource accepts {}", allow));
-  r.set(bh::field::allow, std::string(allow));
-  return r;
 }
 
 Reply invalid_request(std::string_view detail) {
@@ -170,6 +157,7 @@ struct PaymentsApi::Impl {
         std::move(idem_options));
     http::LayerOptions layer_options;
     layer_options.methods = {bh::verb::post};
+    layer_options.in_flight = options.policy;
     layer_options.tenant = [this](const Request& r) { return tenant_of(r).value_or(""); };
     layer_options.operation = [](const Request&) { return std::string("payment.create"); };
     layer_options.fingerprint = http::json_fields({"amount", "currency", "order_id"});
@@ -200,7 +188,8 @@ struct PaymentsApi::Impl {
   // The tenant of the request's bearer token, or nullopt.
   std::optional<std::string> tenant_of(const Request& r) const {
     const std::optional<std::string_view> auth = authorization(r);
-    if (!auth || auth->size() <= 7 || !iequals(auth->substr(0, 7), "Bearer ")) return std::nullopt;
+    if (!auth || auth->size() <= 7 || !boost::beast::iequals({auth->data(), 7}, "Bearer "))
+      return std::nullopt;
     const auto it = options.api_keys.find(std::string(auth->substr(7)));
     if (it == options.api_keys.end()) return std::nullopt;
     return it->second;
@@ -320,6 +309,7 @@ PaymentsApi::PaymentsApi(ApiOptions options) : impl_(std::make_unique<Impl>(std:
 PaymentsApi::~PaymentsApi() = default;
 Coordinator& PaymentsApi::coordinator() noexcept { return *impl_->idem; }
 sim::Provider& PaymentsApi::provider() noexcept { return *impl_->provider; }
+void PaymentsApi::join_background() { impl_->operator_work.join(); }
 
 net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
   Impl& d = *impl_;

@@ -55,6 +55,10 @@ class PaymentsApi final : public App {
   Coordinator& coordinator() noexcept;
   sim::Provider& provider() noexcept;
 
+  // Waits for the operator thread's work to finish (the server calls it before its
+  // io_context goes).
+  void join_background();
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

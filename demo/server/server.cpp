@@ -49,7 +49,8 @@ struct Server::Impl {
   tcp::acceptor acceptor{io};
   net::signal_set signals{io};
   net::steady_timer drain{io};
-  net::steady_timer room{io};  // the listener waits here while the cap is reached
+  net::steady_timer room{io};           // the listener waits here while the cap is reached
+  net::steady_timer backoff_timer{io};  // and here after a failed accept
   // Everything below: io thread only.
   bool stopping = false;
   bool forced = false;
@@ -60,6 +61,11 @@ struct Server::Impl {
   std::map<std::uint64_t, beast::tcp_stream*> idle;
   // Sessions reading a request: cancelled when the server stops.
   std::set<beast::tcp_stream*> reading;
+
+  ~Impl() {
+    // The app's background work may post back to `io`: finish it while `io` exists.
+    if (payments) payments->join_background();
+  }
 
   explicit Impl(ServerOptions o) : options(std::move(o)) {
     if (options.app == AppKind::conformance) {
@@ -84,6 +90,7 @@ struct Server::Impl {
     beast::error_code ec;
     acceptor.close(ec);
     room.cancel();
+    backoff_timer.cancel();
     for (auto& [since, s] : idle) s->cancel();
     for (beast::tcp_stream* s : reading) s->cancel();
     if (sessions == 0) {
@@ -132,7 +139,7 @@ struct Server::Impl {
     if (!res.body().empty() && res.find(bh::field::content_type) == res.end())
       res.set(bh::field::content_type, "application/json");
     res.keep_alive(keep_alive);
-    if (res.find(bh::field::content_length) == res.end() && !head) res.prepare_payload();
+    if (res.find(bh::field::content_length) == res.end()) res.prepare_payload();
     stream.expires_after(options.read_timeout);
     beast::error_code ec;
     if (head) {
@@ -202,8 +209,16 @@ struct Server::Impl {
       const bool client_keep_alive = req.keep_alive();
       const bool head = req.method() == bh::verb::head;
       if (head) req.method(bh::verb::get);  // HEAD is GET without the body
-      Reply response = co_await app->handle(std::move(req), peer);
-      const bool keep_alive = client_keep_alive && !stopping;
+      Reply response;
+      try {
+        response = co_await app->handle(std::move(req), peer);
+      } catch (const std::exception& e) {
+        // An app's failure still gets an answer, and the connection closes after it.
+        std::cerr << "idem-demo serve: request failed: " << e.what() << '\n';
+        response = problem_reply(500, "internal_error", "Internal error", "the request failed");
+        response.keep_alive(false);
+      }
+      const bool keep_alive = client_keep_alive && !stopping && response.keep_alive();
       co_await send(stream, std::move(response), keep_alive, head);
       if (!keep_alive) break;
     }
@@ -233,8 +248,8 @@ struct Server::Impl {
         backoff = std::min<std::chrono::milliseconds>(
             std::chrono::seconds(1),
             std::max<std::chrono::milliseconds>(std::chrono::milliseconds(5), backoff * 2));
-        room.expires_after(backoff);
-        co_await room.async_wait(net::redirect_error(net::use_awaitable, ec));
+        backoff_timer.expires_after(backoff);
+        co_await backoff_timer.async_wait(net::redirect_error(net::use_awaitable, ec));
         continue;
       }
       backoff = std::chrono::milliseconds(0);

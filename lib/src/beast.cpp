@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <boost/beast/core/string.hpp>
 #include <boost/beast/http/field.hpp>
 #include <cctype>
+#include <cmath>
+#include <exception>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <unordered_map>
@@ -21,21 +24,23 @@ namespace {
 // the reply it kept.
 struct Unstored {};
 
-std::string_view sv(boost::beast::string_view s) { return {s.data(), s.size()}; }
+// Carries the handler's own exception through the coordinator (which releases the key), so
+// that an idem::error the handler threw is not mistaken for the layer's.
+struct HandlerThrew {
+  std::exception_ptr error;
+};
 
-bool iequals(std::string_view a, std::string_view b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
-           return std::tolower(static_cast<unsigned char>(x)) ==
-                  std::tolower(static_cast<unsigned char>(y));
-         });
-}
+// How many operations' usual durations are remembered for Retry-After.
+constexpr std::size_t kTimedOperations = 1024;
+
+std::string_view sv(boost::beast::string_view s) { return {s.data(), s.size()}; }
 
 // Fields about this connection or this message's framing: never stored, never replayed
 // (the server that sends the replay writes its own).
 bool per_message(std::string_view name) {
   for (std::string_view f : {"Connection", "Keep-Alive", "Transfer-Encoding", "Content-Length",
                              "TE", "Trailer", "Upgrade", "Proxy-Connection", "Date", "Server"}) {
-    if (iequals(name, f)) return true;
+    if (boost::beast::iequals({name.data(), name.size()}, {f.data(), f.size()})) return true;
   }
   return false;
 }
@@ -53,9 +58,13 @@ std::string default_operation(const Request& req) {
 }
 
 Fingerprint default_fingerprint(const Request& req) {
-  // A field value holds no line break, so "<content type>\n<body>" is unambiguous.
+  // Neither a target nor a field value holds a line break, so
+  // "<target>\n<content type>\n<body>" is unambiguous. The target carries the query: the
+  // same key with ?amount=100 and ?amount=999 is two requests.
   const auto type = req.find(boost::beast::http::field::content_type);
-  std::string canonical = type == req.end() ? std::string() : std::string(type->value());
+  std::string canonical(sv(req.target()));
+  canonical += '\n';
+  if (type != req.end()) canonical += sv(type->value());
   canonical += '\n';
   canonical += req.body();
   return Fingerprint::of_bytes(canonical);
@@ -70,6 +79,12 @@ std::function<Fingerprint(const Request&)> json_fields(std::vector<std::string> 
     if (!body.is_object()) throw error(errc::invalid_argument, "the body must be a JSON object");
     return Fingerprint::of(body, fields);
   };
+}
+
+bool is_outcome(unsigned status) {
+  // 408, 425 and 429 say "not now" (timeout, too early, rate limited): stored, they would
+  // refuse the key for its whole TTL.
+  return status < 500 && status != 408 && status != 425 && status != 429;
 }
 
 Reply to_reply(const Response& r) {
@@ -97,6 +112,11 @@ struct Layer::Impl {
       throw error(errc::invalid_argument, "LayerOptions::default_tenant is empty");
     if (o.expected_duration.count() <= 0)
       throw error(errc::invalid_argument, "LayerOptions::expected_duration must be positive");
+    if (o.in_flight.value_or(c.options().in_flight) == InFlight::run) {
+      throw error(errc::invalid_argument,
+                  "InFlight::run cannot serve HTTP: a duplicate's own reply would differ from "
+                  "the stored one; use raise or wait");
+    }
     if (o.replayed_header.empty())
       throw error(errc::invalid_argument, "LayerOptions::replayed_header is empty");
   }
@@ -176,7 +196,7 @@ struct Layer::Impl {
   // The record's form of a reply the handler returned; throws Unstored when it is not an
   // outcome.
   Response stored_form(const Reply& r) const {
-    const bool outcome = o.store ? o.store(r) : r.result_int() < 500;
+    const bool outcome = o.store ? o.store(r) : is_outcome(r.result_int());
     if (!outcome) throw Unstored{};
     Response s;
     s.status = static_cast<int>(r.result_int());
@@ -202,11 +222,36 @@ struct Layer::Impl {
     return r;
   }
 
-  void ran(const std::string& operation, TimePoint started) {
+  // After the handler returned `reply`: its duration noted for Retry-After (for a bounded
+  // number of operations: the default operation is the client's path), its stored form made.
+  Response ran(const std::string& operation, TimePoint started, const Reply& reply) {
     const double ms = static_cast<double>((coordinator.clock().now() - started).count());
-    std::lock_guard lock(mutex);
-    const auto [it, fresh] = usual_ms.try_emplace(operation, ms);
-    if (!fresh) it->second = 0.8 * it->second + 0.2 * ms;
+    {
+      std::lock_guard lock(mutex);
+      if (const auto it = usual_ms.find(operation); it != usual_ms.end()) {
+        it->second = 0.8 * it->second + 0.2 * ms;
+      } else if (usual_ms.size() < kTimedOperations) {
+        usual_ms.emplace(operation, ms);
+      }
+    }
+    return stored_form(reply);
+  }
+
+  // The answer once the coordinator returned `out` or threw `failure`. A reply the policy
+  // did not store goes out as the handler made it; the handler's own exception propagates
+  // unchanged; idem's errors become their HTTP answers.
+  Reply conclude(std::exception_ptr failure, const std::optional<Outcome>& out,
+                 std::optional<Reply>& handler_reply, const std::string& operation) {
+    if (!failure) return answer(*out, handler_reply);
+    try {
+      std::rethrow_exception(failure);
+    } catch (const Unstored&) {
+      return std::move(*handler_reply);
+    } catch (const HandlerThrew& t) {
+      std::rethrow_exception(t.error);
+    } catch (const error& e) {
+      return refusal(e, operation);
+    }
   }
 
   Reply refusal(const error& e, const std::string& operation) {
@@ -218,7 +263,7 @@ struct Layer::Impl {
       if (const auto it = usual_ms.find(operation); it != usual_ms.end()) usual = it->second;
     }
     const double ms = std::min(static_cast<double>(busy->retry_after().count()), usual);
-    const long long seconds = std::max(1LL, static_cast<long long>((ms + 999) / 1000));
+    const long long seconds = std::max(1LL, static_cast<long long>(std::ceil(ms / 1000)));
     Reply r = to_reply(
         problem(409, http_error_code(e), "A request with this idempotency key is in progress",
                 fmt::format("a request with this idempotency key is in progress; retry after {} s "
@@ -240,19 +285,22 @@ Reply Layer::handle(const Request& request, const Handler& handler) {
   if (!p.protect) return handler(request, p.context);
   const std::string operation = p.call.operation;
   std::optional<Reply> ran;
+  std::optional<Outcome> out;
+  std::exception_ptr failure;
   try {
-    const Outcome out = d.coordinator.call(std::move(p.call), [&] {
+    out = d.coordinator.call(std::move(p.call), [&] {
       const TimePoint started = d.coordinator.clock().now();
-      ran = handler(request, p.context);
-      d.ran(operation, started);
-      return d.stored_form(*ran);
+      try {
+        ran = handler(request, p.context);
+      } catch (...) {
+        throw HandlerThrew{std::current_exception()};
+      }
+      return d.ran(operation, started, *ran);
     });
-    return d.answer(out, ran);
-  } catch (const Unstored&) {
-    return std::move(*ran);
-  } catch (const error& e) {
-    return d.refusal(e, operation);
+  } catch (...) {
+    failure = std::current_exception();
   }
+  return d.conclude(failure, out, ran, operation);
 }
 
 std::string Layer::policy() const {
@@ -300,23 +348,26 @@ boost::asio::awaitable<Reply> Layer::async_handle(const Request& request,
   if (!p.protect) co_return co_await handler(request, p.context);
   const std::string operation = p.call.operation;
   std::optional<Reply> ran;
-  std::optional<Reply> answer;
+  std::optional<Outcome> out;
+  std::exception_ptr failure;
   try {
     // (a named action: g++ 12 destroys temporaries in a co_await expression twice)
     AsyncAction action = [&]() -> boost::asio::awaitable<Response> {
       const TimePoint started = d.coordinator.clock().now();
-      ran = co_await handler(request, p.context);
-      d.ran(operation, started);
-      co_return d.stored_form(*ran);
+      std::exception_ptr threw;
+      try {
+        ran = co_await handler(request, p.context);
+      } catch (...) {
+        threw = std::current_exception();
+      }
+      if (threw) throw HandlerThrew{threw};
+      co_return d.ran(operation, started, *ran);
     };
-    const Outcome out = co_await async_call(d.coordinator, std::move(p.call), std::move(action));
-    answer = d.answer(out, ran);
-  } catch (const Unstored&) {
-    answer = std::move(*ran);
-  } catch (const error& e) {
-    answer = d.refusal(e, operation);
+    out = co_await async_call(d.coordinator, std::move(p.call), std::move(action));
+  } catch (...) {
+    failure = std::current_exception();
   }
-  co_return std::move(*answer);
+  co_return d.conclude(failure, out, ran, operation);
 }
 
 }  // namespace idem::http

@@ -16,8 +16,14 @@
 namespace idem {
 namespace {
 
-[[noreturn]] void fail(const std::string& what) {
-  throw StoreError(fmt::format("payload store: {}: {}", what, std::strerror(errno)), 0);
+[[noreturn]] void fail(const std::string& what, int error = errno) {
+  throw StoreError(fmt::format("payload store: {}: {}", what, std::strerror(error)), 0);
+}
+
+// Removes the temporary file and fails with the error that came before the removal.
+[[noreturn]] void abandon(const std::string& temp, const std::string& what, int error) {
+  ::unlink(temp.c_str());
+  fail(what, error);
 }
 
 // Closes a descriptor on every path out.
@@ -53,26 +59,17 @@ std::string FilePayloadStore::put(const KeyId& id, const std::string& body) {
   const std::string temp =
       fmt::format("{}.tmp.{}.{}", path, static_cast<long>(::getpid()), ++sequence);
   {
-    Fd f{::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
+    Fd f{::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)};
     if (f.fd < 0) fail("cannot create " + temp);
     for (std::size_t done = 0; done < body.size();) {
       const ssize_t n = ::write(f.fd, body.data() + done, body.size() - done);
       if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        ::unlink(temp.c_str());
-        fail("cannot write " + temp);
-      }
+      if (n <= 0) abandon(temp, "cannot write " + temp, n == 0 ? EIO : errno);
       done += static_cast<std::size_t>(n);
     }
-    if (::fsync(f.fd) != 0) {
-      ::unlink(temp.c_str());
-      fail("cannot sync " + temp);
-    }
+    if (::fsync(f.fd) != 0) abandon(temp, "cannot sync " + temp, errno);
   }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    ::unlink(temp.c_str());
-    fail("cannot rename " + temp);
-  }
+  if (::rename(temp.c_str(), path.c_str()) != 0) abandon(temp, "cannot rename " + temp, errno);
   sync_directory(directory_);
   return ref;
 }

@@ -1,6 +1,8 @@
 #include "idem/http.hpp"
 
-#include <ctime>
+#include <fmt/format.h>
+
+#include <chrono>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -29,13 +31,19 @@ std::optional<std::string> parse_idempotency_key(std::string_view v) {
 }
 
 std::string http_date(TimePoint t) {
-  const std::time_t secs = std::chrono::system_clock::to_time_t(
-      std::chrono::time_point_cast<std::chrono::system_clock::duration>(t));
-  std::tm tm{};
-  gmtime_r(&secs, &tm);
-  char buf[64];
-  const std::size_t n = std::strftime(buf, sizeof buf, "%a, %d %b %Y %H:%M:%S GMT", &tm);
-  return std::string(buf, n);
+  // Names from fixed tables, not strftime's: those follow the process's locale.
+  static constexpr std::string_view kDays[] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
+  static constexpr std::string_view kMonths[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                                 "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+  const auto day = std::chrono::floor<std::chrono::days>(t);
+  const std::chrono::year_month_day date{day};
+  const std::chrono::hh_mm_ss time{std::chrono::floor<std::chrono::seconds>(t - day)};
+  const std::chrono::weekday weekday{day};
+  return fmt::format("{}, {:02} {} {:04} {:02}:{:02}:{:02} GMT", kDays[weekday.c_encoding()],
+                     static_cast<unsigned>(date.day()),
+                     kMonths[static_cast<unsigned>(date.month()) - 1],
+                     static_cast<int>(date.year()), time.hours().count(), time.minutes().count(),
+                     time.seconds().count());
 }
 
 int http_status(errc code) noexcept {

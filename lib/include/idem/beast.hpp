@@ -17,10 +17,11 @@
 //   422 idempotency_key_reuse - a live key with another fingerprint; the record is untouched;
 //   503 store_unavailable - the store failed under FailureMode::fail_closed;
 //   409 lease_lost - the handler ran but its lease was taken over (its reply is not sent);
-//   the handler's reply otherwise: stored when LayerOptions::store says so (2xx and 4xx by
-//   default) and then replayed to every duplicate with status, the headers the handler set
-//   and the body bytes, plus "Idempotent-Replayed: true" and "Idempotency-Key-Expires";
-//   a reply that is not stored (5xx by default) releases the key, so the retry runs again.
+//   the handler's reply otherwise: stored when LayerOptions::store says so (2xx, 3xx and
+//   4xx but 408/425/429 by default) and then replayed to every duplicate with status, the headers
+//   the handler set and the body bytes, plus "Idempotent-Replayed: true" and
+//   "Idempotency-Key-Expires"; a reply that is not stored (5xx by default) releases the key, so the
+//   retry runs again.
 // Errors are application/problem+json (RFC 9457) with a stable "error" member (idem/http.hpp).
 //
 // This header brings Beast and Asio; the rest of idem needs neither.
@@ -84,16 +85,18 @@ struct LayerOptions {
   // The operation, or empty for "<METHOD> <path>" (the target without its query).
   std::function<std::string(const Request&)> operation{};
 
-  // The request's fingerprint, or empty for the default: a digest of the Content-Type
-  // field value and the body bytes. json_fields() builds one from named JSON fields.
+  // The request's fingerprint, or empty for the default: a digest of the target (path and
+  // query), the Content-Type field value and the body bytes. json_fields() builds one from
+  // named JSON fields.
   std::function<Fingerprint(const Request&)> fingerprint{};
 
   // Validation that runs after the key is read and before anything is stored: a reply it
   // returns is sent as it is, nothing is stored and the key stays free. Default: none.
   std::function<std::optional<Reply>(const Request&)> check{};
 
-  // Which replies are outcomes, stored and replayed. Default: status below 500 (2xx, 3xx
-  // and 4xx such as a 402 decline are outcomes; a 5xx is a failure: the key is released).
+  // Which replies are outcomes, stored and replayed. Default: is_outcome(status): 2xx, 3xx
+  // and 4xx such as a 402 decline are outcomes; a 5xx is a failure and 408, 425 and 429 say
+  // "not now": the key is released.
   std::function<bool(const Reply&)> store{};
 
   // Replies with a body over large_body bytes are large. The coordinator keeps bodies
@@ -113,13 +116,19 @@ struct LayerOptions {
   // as the draft asks. Default: none.
   std::string documentation{};
 
-  // Overrides Options::in_flight for this layer's calls. Default: the coordinator's.
-  std::optional<InFlight> in_flight{};
+  // The duplicate of a request in flight: raise (409, as the draft asks) or wait (it gets
+  // the first's answer); nullopt: the coordinator's Options::in_flight. InFlight::run is
+  // refused (the layer could not answer every duplicate with the stored reply). Default:
+  // raise.
+  std::optional<InFlight> in_flight{InFlight::raise};
 
   // The header that marks a replay ("true"); no name is standard yet (Stripe's spelling is
   // the default; some clients expect "Idempotency-Replayed").
   std::string replayed_header{kReplayedHeader};
 };
+
+// The default storage policy: true for a status below 500 other than 408, 425 and 429.
+bool is_outcome(unsigned status);
 
 // A fingerprint of the named top-level fields of a JSON body (Fingerprint::of). A body
 // that is not JSON is 400 invalid_request, nothing stored.
@@ -128,7 +137,8 @@ std::function<Fingerprint(const Request&)> json_fields(std::vector<std::string> 
 // Thread-safety: one Layer may serve many threads and io_contexts at once.
 class Layer {
  public:
-  // Throws idem::error(errc::invalid_argument) for an empty key_header or default_tenant.
+  // Throws idem::error(errc::invalid_argument) for an empty key_header, default_tenant or
+  // replayed_header, a non-positive expected_duration, or InFlight::run.
   // `coordinator` must outlive the layer.
   explicit Layer(Coordinator& coordinator, LayerOptions options = {});
   ~Layer();

@@ -11,8 +11,9 @@ namespace idem {
 // Each body is one file, named by the key's short hash and a digest of the body, written
 // whole to a temporary name, synced, then renamed into place and the directory synced: a
 // reference the record holds always names a complete, durable file.
-// Files are not removed when their record is purged: delete files older than the TTL from
-// the directory (e.g. a daily find -mmin +N -delete) if the directory must not grow.
+// Files are not removed when their record is purged: delete files older than the TTL plus
+// a margin (a body is written just before its record completes), e.g. a daily
+// find DIR -mmin +N -delete, if the directory must not grow.
 // Thread-safety: safe for concurrent use, by several processes too.
 class FilePayloadStore final : public PayloadStore {
  public:
