@@ -1,15 +1,22 @@
 #include "idem/asio.hpp"
 
+#include <fmt/format.h>
+#include <algorithm>
+#include <atomic>
 #include <boost/asio/associated_executor.hpp>
 #include <boost/asio/async_result.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
+#include <map>
 #include <mutex>
 #include <optional>
 
+#include "attempt.hpp"
 #include "core.hpp"
 #include "flow.hpp"
 
@@ -103,14 +110,20 @@ net::awaitable<void> async_sleep_until(Clock& clock, TimePoint at) {
   co_await waiter.wait_until(clock, at);
 }
 
-// The coroutine driver of detail::Flow: the same effects as Coordinator::call, performed
-// with co_await.
-net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, AsyncAction action) {
+namespace {
+
+using AsyncRun = std::function<net::awaitable<Response>(detail::Flow&)>;
+
+// The coroutine driver of detail::Flow: the same effects as the blocking driver, performed
+// with co_await; `run` performs the action when the flow says so.
+net::awaitable<Outcome> async_drive(Coordinator& coordinator, Request request, bool steps,
+                                    AsyncRun run) {
   using Kind = detail::Effect::Kind;
   detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator);
   const net::any_io_executor ex = co_await net::this_coro::executor;
   std::optional<AsyncWaiter> waiter;
-  detail::Flow flow(core, request, [&] { return waiter.emplace(ex).handle(); });
+  detail::Flow flow(
+      core, request, [&] { return waiter.emplace(ex).handle(); }, steps);
   for (;;) {
     const detail::Effect e = flow.next();
     switch (e.kind) {
@@ -123,9 +136,9 @@ net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, As
       case Kind::run: {
         std::exception_ptr failure;
         try {
-          // Not `flow.ran(co_await action())`: g++ 12 mishandles a co_await result passed
+          // Not `flow.ran(co_await run(flow))`: g++ 12 mishandles a co_await result passed
           // straight on as an argument (it destroys it twice).
-          Response response = co_await action();
+          Response response = co_await run(flow);
           flow.ran(std::move(response));
         } catch (...) {
           failure = std::current_exception();
@@ -140,6 +153,222 @@ net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, As
         co_return flow.outcome();
     }
   }
+}
+
+}  // namespace
+
+net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, AsyncAction action) {
+  const AsyncRun run = [&action](detail::Flow&) { return action(); };
+  co_return co_await async_drive(coordinator, std::move(request), false, run);
+}
+
+net::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request request,
+                                         AsyncStepsAction action) {
+  detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator);
+  const std::string payload = request.payload;
+  const AsyncRun run = [&core, &action, &payload](detail::Flow& flow) -> net::awaitable<Response> {
+    Attempt attempt = AttemptAccess::begin(core, flow.id(), flow.token(), payload);
+    std::exception_ptr failure;
+    Response response;
+    try {
+      response = co_await action(attempt);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (failure) {
+      AttemptAccess::failed(core, attempt);
+      std::rethrow_exception(failure);
+    }
+    co_return response;
+  };
+  co_return co_await async_drive(coordinator, std::move(request), true, run);
+}
+
+net::awaitable<std::string> async_external(Attempt& attempt, std::string step,
+                                           AsyncExternalCall call, AsyncLookup lookup) {
+  Attempt::Plan plan = attempt.begin_external(step);
+  if (plan.kind == Attempt::Plan::Kind::done) co_return plan.result;
+  if (plan.kind == Attempt::Plan::Kind::look_up && lookup) {
+    std::optional<std::string> found = co_await lookup(plan.key);
+    if (found) co_return attempt.finish_external(step, std::move(*found), true);
+  }
+  std::string result = co_await call(plan.key);
+  co_return attempt.finish_external(step, std::move(result), false);
+}
+
+// --- Maintenance -------------------------------------------------------------------------
+
+struct Maintenance::Impl {
+  Impl(Coordinator& c, MaintenanceOptions o) : coordinator(c), options(std::move(o)) {}
+
+  Coordinator& coordinator;
+  const MaintenanceOptions options;
+  std::map<std::string, AsyncStepsAction, std::less<>> handlers;
+  std::optional<Dispatcher> dispatcher;
+  std::atomic<bool> stopping{false};
+  std::mutex mutex;                      // guards wake and totals
+  std::shared_ptr<detail::Waiter> wake;  // the running loop's, while it runs
+  MaintenanceReport totals;
+
+  detail::CoordinatorCore& core() { return detail::CoordinatorAccess::core(coordinator); }
+
+  // Runs `job`; a failure is logged and counted in `report`, never thrown.
+  template <class Job>
+  void guarded(std::string_view name, MaintenanceReport& report, Job&& job) {
+    try {
+      job();
+    } catch (const std::exception& e) {
+      ++report.failures;
+      core().log(LogLevel::error, "maintenance_failed", "-", name, 0, e.what());
+    }
+  }
+
+  net::awaitable<void> complete(MaintenanceReport& report) {
+    std::vector<AbandonedOperation> found;
+    guarded("completer", report, [&] {
+      found = coordinator.abandoned(options.completer.abandoned_after, options.completer.batch);
+    });
+    for (const AbandonedOperation& op : found) {
+      ++report.completer.found;
+      const auto handler = handlers.find(op.id.operation);
+      if (handler == handlers.end()) {
+        ++report.completer.skipped;
+        continue;
+      }
+      const Request request = AttemptAccess::resume_request(op);
+      std::exception_ptr failure;
+      try {
+        co_await async_call_steps(coordinator, request, handler->second);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      AttemptAccess::resumed(core(), report.completer, op, failure);
+    }
+  }
+
+  void purge(MaintenanceReport& r) {
+    guarded("purge", r, [&] { r.purged += coordinator.purge_expired(options.batch); });
+    if (dispatcher) guarded("outbox_purge", r, [&] { r.outbox_purged += dispatcher->purge(); });
+  }
+  void reap(MaintenanceReport& r) {
+    guarded("reap", r, [&] { r.reaped += coordinator.reap(options.batch).size(); });
+  }
+  void dispatch(MaintenanceReport& r) {
+    if (!dispatcher) return;
+    guarded("outbox", r, [&] {
+      const DispatchReport d = dispatcher->run_once();
+      r.outbox.delivered += d.delivered;
+      r.outbox.retried += d.retried;
+      r.outbox.parked += d.parked;
+    });
+  }
+
+  void add_to_totals(const MaintenanceReport& r) {
+    std::lock_guard lock(mutex);
+    totals.purged += r.purged;
+    totals.reaped += r.reaped;
+    totals.outbox_purged += r.outbox_purged;
+    totals.completer.found += r.completer.found;
+    totals.completer.finished += r.completer.finished;
+    totals.completer.failed += r.completer.failed;
+    totals.completer.skipped += r.completer.skipped;
+    totals.outbox.delivered += r.outbox.delivered;
+    totals.outbox.retried += r.outbox.retried;
+    totals.outbox.parked += r.outbox.parked;
+    totals.failures += r.failures;
+  }
+
+  static net::awaitable<void> loop(std::shared_ptr<Impl> d) {
+    AsyncWaiter waiter(co_await net::this_coro::executor);
+    {
+      std::lock_guard lock(d->mutex);
+      d->wake = waiter.handle();
+    }
+    Clock& clock = d->coordinator.clock();
+    const MaintenanceOptions& o = d->options;
+    TimePoint next_purge = clock.now(), next_reap = next_purge, next_complete = next_purge,
+              next_dispatch = next_purge;
+    while (!d->stopping.load()) {
+      MaintenanceReport report;
+      TimePoint now = clock.now();
+      if (now >= next_dispatch) {
+        d->dispatch(report);
+        next_dispatch = clock.now() + o.dispatch_every;
+      }
+      if (now >= next_purge) {
+        d->purge(report);
+        next_purge = clock.now() + o.purge_every;
+      }
+      if (now >= next_reap) {
+        d->reap(report);
+        next_reap = clock.now() + o.reap_every;
+      }
+      if (now >= next_complete) {
+        co_await d->complete(report);
+        next_complete = clock.now() + o.complete_every;
+      }
+      d->add_to_totals(report);
+      if (d->stopping.load()) break;
+      // (named first: g++ 12 cannot keep an initializer list across a co_await)
+      const TimePoint wake_at =
+          std::min(std::min(next_purge, next_reap), std::min(next_complete, next_dispatch));
+      co_await waiter.wait_until(clock, wake_at);
+    }
+    std::lock_guard lock(d->mutex);
+    d->wake.reset();
+  }
+};
+
+Maintenance::Maintenance(Coordinator& coordinator, MaintenanceOptions options)
+    : impl_(std::make_shared<Impl>(coordinator, std::move(options))) {
+  const MaintenanceOptions& o = impl_->options;
+  using Interval = std::pair<std::chrono::milliseconds, std::string_view>;
+  for (const Interval& i :
+       {Interval{o.purge_every, "purge_every"}, Interval{o.reap_every, "reap_every"},
+        Interval{o.complete_every, "complete_every"},
+        Interval{o.dispatch_every, "dispatch_every"}}) {
+    detail::check(i.first.count() > 0, fmt::format("maintenance: {} must be positive", i.second));
+  }
+  detail::check(o.batch > 0, "maintenance: batch must be at least 1");
+  detail::check(o.completer.batch > 0, "maintenance: completer.batch must be at least 1");
+}
+
+Maintenance::~Maintenance() { stop(); }
+
+void Maintenance::resume(std::string operation, AsyncStepsAction action) {
+  validate_key_part("operation", operation);
+  detail::check(static_cast<bool>(action), "maintenance: a resume handler is required");
+  impl_->handlers[std::move(operation)] = std::move(action);
+}
+
+void Maintenance::deliver(Delivery delivery) {
+  impl_->dispatcher.emplace(impl_->coordinator, std::move(delivery), impl_->options.outbox);
+}
+
+net::awaitable<MaintenanceReport> Maintenance::run_once() {
+  Impl& d = *impl_;
+  MaintenanceReport report;
+  d.dispatch(report);
+  d.purge(report);
+  d.reap(report);
+  co_await d.complete(report);
+  d.add_to_totals(report);
+  co_return report;
+}
+
+void Maintenance::start(const net::any_io_executor& executor) {
+  net::co_spawn(executor, Impl::loop(impl_), net::detached);
+}
+
+void Maintenance::stop() noexcept {
+  impl_->stopping.store(true);
+  std::lock_guard lock(impl_->mutex);
+  if (impl_->wake) impl_->wake->wake();
+}
+
+MaintenanceReport Maintenance::totals() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->totals;
 }
 
 }  // namespace idem

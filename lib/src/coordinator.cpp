@@ -6,6 +6,7 @@
 #include <mutex>
 #include <utility>
 
+#include "attempt.hpp"
 #include "core.hpp"
 #include "flow.hpp"
 
@@ -84,11 +85,18 @@ CoordinatorCore::CoordinatorCore(std::shared_ptr<Store> s, Options o)
       clock(options.clock ? options.clock : std::make_shared<SystemClock>()),
       commits(*store) {}
 
-Call CoordinatorCore::prepare(const Request& r) const {
+Call CoordinatorCore::prepare(const Request& r, bool steps) const {
   validate_key_part("tenant", r.tenant);
   validate_key_part("operation", r.operation);
   Call c;
   c.policy = r.in_flight.value_or(options.in_flight);
+  c.steps = steps;
+  if (steps) {
+    check(c.policy != InFlight::run,
+          "call_steps: InFlight::run cannot run a multi-step operation (it would run its steps "
+          "without a reservation); use wait or raise");
+    if (!r.key) throw InvalidKeyError("key", "is missing; a multi-step operation needs one");
+  }
   if (!r.key) {
     if (options.missing_key == MissingKey::reject) throw InvalidKeyError("key", "is missing");
     c.has_key = false;
@@ -154,12 +162,16 @@ Coordinator::Coordinator(std::shared_ptr<Store> store, Options options)
 
 Coordinator::~Coordinator() = default;
 
-Outcome Coordinator::call(const Request& request, const std::function<Response()>& action) {
+namespace {
+
+// The blocking driver of detail::Flow; `run` performs the action when the flow says so.
+Outcome drive(detail::CoordinatorCore& core, const Request& request, bool steps,
+              const std::function<Response(detail::Flow&)>& run) {
   using Kind = detail::Effect::Kind;
-  detail::CoordinatorCore& core = *core_;
   std::shared_ptr<detail::BlockingWaiter> waiter;
-  detail::Flow flow(core, request,
-                    [&waiter] { return waiter = std::make_shared<detail::BlockingWaiter>(); });
+  detail::Flow flow(
+      core, request, [&waiter] { return waiter = std::make_shared<detail::BlockingWaiter>(); },
+      steps);
   for (;;) {
     const detail::Effect e = flow.next();
     switch (e.kind) {
@@ -171,7 +183,7 @@ Outcome Coordinator::call(const Request& request, const std::function<Response()
         break;
       case Kind::run:
         try {
-          flow.ran(action());
+          flow.ran(run(flow));
         } catch (...) {
           flow.failed(std::current_exception());
         }
@@ -183,6 +195,33 @@ Outcome Coordinator::call(const Request& request, const std::function<Response()
         return flow.outcome();
     }
   }
+}
+
+}  // namespace
+
+Outcome Coordinator::call(const Request& request, const std::function<Response()>& action) {
+  return drive(*core_, request, false, [&action](detail::Flow&) { return action(); });
+}
+
+Outcome Coordinator::call_steps(const Request& request,
+                                const std::function<Response(Attempt&)>& action) {
+  detail::CoordinatorCore& core = *core_;
+  return drive(core, request, true, [&](detail::Flow& flow) {
+    Attempt attempt = AttemptAccess::begin(core, flow.id(), flow.token(), request.payload);
+    try {
+      return action(attempt);
+    } catch (...) {
+      AttemptAccess::failed(core, attempt);
+      throw;
+    }
+  });
+}
+
+std::vector<AbandonedOperation> Coordinator::abandoned(std::chrono::milliseconds idle_for,
+                                                       std::size_t limit) {
+  detail::check(limit > 0, "abandoned: limit must be at least 1");
+  const TimePoint now = core_->now();
+  return core_->store->abandoned(now - idle_for, now, limit);
 }
 
 // --- Maintenance and introspection ---------------------------------------------------------
@@ -238,6 +277,15 @@ MetricsSnapshot Coordinator::metrics() const {
   m.ran_unprotected = get(c.ran_unprotected);
   m.purged = get(c.purged);
   m.reaped = get(c.reaped);
+  m.steps_recorded = get(c.steps_recorded);
+  m.resumed = get(c.resumed);
+  m.reconciled = get(c.reconciled);
+  m.interrupted = get(c.interrupted);
+  m.completer_finished = get(c.completer_finished);
+  m.completer_failed = get(c.completer_failed);
+  m.outbox_delivered = get(c.outbox_delivered);
+  m.outbox_retried = get(c.outbox_retried);
+  m.outbox_parked = get(c.outbox_parked);
   return m;
 }
 

@@ -19,8 +19,13 @@ namespace idem::detail {
 struct Counters {
   std::atomic<std::uint64_t> reserved{0}, taken_over{0}, executed{0}, completed{0}, replayed{0},
       waited{0}, in_progress_conflicts{0}, key_reuse{0}, released{0}, lease_lost{0},
-      store_errors{0}, ran_unprotected{0}, purged{0}, reaped{0};
+      store_errors{0}, ran_unprotected{0}, purged{0}, reaped{0}, steps_recorded{0}, resumed{0},
+      reconciled{0}, interrupted{0}, completer_finished{0}, completer_failed{0},
+      outbox_delivered{0}, outbox_retried{0}, outbox_parked{0};
 };
+
+// Throws idem::error(errc::invalid_argument, "idem: <what>") unless `ok`.
+void check(bool ok, std::string_view what);
 
 inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t n = 1) {
   c.fetch_add(n, std::memory_order_relaxed);
@@ -32,8 +37,8 @@ class CoordinatorCore {
   // Throws idem::error(errc::invalid_argument) naming the option that breaks a rule.
   CoordinatorCore(std::shared_ptr<Store> store, Options options);
 
-  // Validates the request into a Call (throws InvalidKeyError).
-  Call prepare(const Request& request) const;
+  // Validates the request into a Call (throws InvalidKeyError). `steps`: for call_steps.
+  Call prepare(const Request& request, bool steps = false) const;
 
   std::chrono::milliseconds ttl_for(std::string_view operation) const;
 

@@ -18,6 +18,7 @@ struct Call {
   InFlight policy = InFlight::wait;
   std::chrono::milliseconds ttl{0};
   bool has_key = true;  // false: no key, and Options::missing_key is run_unprotected
+  bool steps = false;   // call_steps: its progress lives in the store, so never unprotected
 };
 
 // What the call has learned of its key.
@@ -52,8 +53,9 @@ inline Decision decide(const Found& found, const Call& call, FailureMode on_stor
     case Found::Kind::no_key:
       return Decision::run_unprotected;
     case Found::Kind::store_failed:
-      return on_store_failure == FailureMode::fail_closed ? Decision::store_unavailable
-                                                          : Decision::run_unprotected;
+      return on_store_failure == FailureMode::fail_closed || call.steps
+                 ? Decision::store_unavailable
+                 : Decision::run_unprotected;
     case Found::Kind::owned:
       return Decision::run_reserved;
     case Found::Kind::nothing_live:

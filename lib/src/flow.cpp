@@ -32,9 +32,9 @@ Loaded read_record(Store& store, const KeyId& id) noexcept {
   return out;
 }
 
-Flow::Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_waiter)
+Flow::Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_waiter, bool steps)
     : core_(core),
-      call_(core.prepare(request)),
+      call_(core.prepare(request, steps)),
       make_waiter_(std::move(make_waiter)),
       give_up_(core.now() + core.options.max_wait),
       poll_(core.options.poll_initial) {}
@@ -58,8 +58,15 @@ Effect Flow::next() {
       return after_ran();
     case Phase::failed:
       if (mode_ != Mode::reserved) std::rethrow_exception(failure_);
-      op_ = StoreOp{
-          .kind = StoreOp::Kind::release, .id = &call_.id, .now = core_.now(), .token = token_};
+      {
+        // A record with progress (a multi-step operation) is kept for its retry until the TTL.
+        const TimePoint t = core_.now();
+        op_ = StoreOp{.kind = StoreOp::Kind::release,
+                      .id = &call_.id,
+                      .now = t,
+                      .expires_at = t + call_.ttl,
+                      .token = token_};
+      }
       return write(Phase::release);
     case Phase::complete:
       return after_complete();

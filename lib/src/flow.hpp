@@ -56,7 +56,9 @@ class Flow {
 
   // Validates the request (throws InvalidKeyError). `make_waiter` is called at most once,
   // when the call first has to wait for another request.
-  Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_waiter);
+  // `steps`: a multi-step operation (call_steps), which never runs unprotected.
+  Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_waiter,
+       bool steps = false);
   ~Flow();
   Flow(const Flow&) = delete;
   Flow& operator=(const Flow&) = delete;
@@ -64,6 +66,8 @@ class Flow {
   Effect next();
 
   const KeyId& id() const noexcept { return call_.id; }
+  // The fencing token this call holds while its action runs (Effect::Kind::run).
+  std::int64_t token() const noexcept { return token_; }
   void loaded(Loaded result) { loaded_ = std::move(result); }
   StoreOp& op() noexcept { return op_; }
   void ran(Response response);

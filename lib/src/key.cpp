@@ -54,6 +54,31 @@ std::string derived_key(const KeyId& id, std::string_view step) {
   return fmt::format("idem_{}:{}", detail::hex(digest_of(id), 16), step);
 }
 
+namespace {
+
+// The key's digest, the origin and a label, NUL-separated like digest_of.
+detail::Digest digest_of(const KeyId& id, std::int64_t origin, std::string_view kind,
+                         std::string_view label) {
+  using namespace std::string_view_literals;
+  const std::string key_hex = detail::hex(digest_of(id), 32);
+  const std::string origin_text = std::to_string(origin);
+  return detail::sha256({key_hex, "\0"sv, origin_text, "\0"sv, kind, "\0"sv, label, "\0"sv});
+}
+
+}  // namespace
+
+std::string derived_key(const KeyId& id, std::int64_t origin, std::string_view step) {
+  return fmt::format("idem_{}:{}", detail::hex(digest_of(id, origin, "step", step), 16), step);
+}
+
+std::string outbox_message_id(const KeyId& id, std::int64_t origin, std::string_view step,
+                              std::size_t n) {
+  std::string label(step);
+  label += '\0';
+  label += std::to_string(n);
+  return fmt::format("msg_{}", detail::hex(digest_of(id, origin, "message", label), 16));
+}
+
 std::size_t KeyIdHash::operator()(const KeyId& id) const noexcept {
   std::size_t h = std::hash<std::string>{}(id.tenant);
   h = h * 31 + std::hash<std::string>{}(id.operation);

@@ -25,6 +25,15 @@ std::string MetricsSnapshot::to_prometheus() const {
   put("ran_unprotected", ran_unprotected, "Actions run without the store.");
   put("purged", purged, "Expired records deleted.");
   put("reaped", reaped, "Abandoned reservations cleared.");
+  put("steps_recorded", steps_recorded, "Steps of multi-step operations recorded.");
+  put("resumed", resumed, "Attempts that resumed recorded progress.");
+  put("reconciled", reconciled, "Unknown outcomes settled by a lookup instead of a call.");
+  put("interrupted", interrupted, "Attempts that failed after recording a step.");
+  put("completer_finished", completer_finished, "Abandoned operations finished.");
+  put("completer_failed", completer_failed, "Completer attempts that failed again.");
+  put("outbox_delivered", outbox_delivered, "Outbox messages delivered.");
+  put("outbox_retried", outbox_retried, "Failed outbox deliveries, retried later.");
+  put("outbox_parked", outbox_parked, "Outbox messages parked after too many failures.");
   return out;
 }
 

@@ -10,7 +10,7 @@ namespace idem::sql {
 
 // Migrations, applied in order inside one BEGIN IMMEDIATE transaction; the database's
 // PRAGMA user_version is how many have run. Append, never edit.
-inline constexpr std::array<std::string_view, 2> kMigrations = {
+inline constexpr std::array<std::string_view, 3> kMigrations = {
     // v1: one record per (tenant, operation, key). state: 1 in_progress, 2 completed,
     // 3 released. Times are milliseconds since the Unix epoch. expires_at is when the
     // record stops counting (the lease's end while in progress, the TTL's end once
@@ -62,6 +62,28 @@ DROP TABLE idem_keys;
 ALTER TABLE idem_keys_v2 RENAME TO idem_keys;
 CREATE INDEX idem_keys_expiry ON idem_keys (expires_at);
 )sql",
+    // v3: multi-step operations (SPEC §7). progress is JSON {"origin", "steps":
+    // [[step, result, reconciled]...], "pending"}; request is what the completer resumes
+    // with. The partial index holds only unfinished multi-step records, for the completer.
+    // The outbox: state 0 pending, 1 delivered, 2 parked; next_at is when a pending message
+    // is due (or, once delivered or parked, when that happened).
+    R"sql(
+ALTER TABLE idem_keys ADD COLUMN progress TEXT;
+ALTER TABLE idem_keys ADD COLUMN request BLOB;
+CREATE INDEX idem_keys_open ON idem_keys (lease_until) WHERE state <> 2 AND request IS NOT NULL;
+CREATE TABLE idem_outbox (
+  id         TEXT    NOT NULL PRIMARY KEY,
+  topic      TEXT    NOT NULL,
+  payload    BLOB    NOT NULL,
+  key_hash   TEXT    NOT NULL,
+  state      INTEGER NOT NULL CHECK (state BETWEEN 0 AND 2),
+  attempts   INTEGER NOT NULL,
+  next_at    INTEGER NOT NULL,
+  created_at INTEGER NOT NULL,
+  last_error TEXT
+) STRICT, WITHOUT ROWID;
+CREATE INDEX idem_outbox_due ON idem_outbox (state, next_at);
+)sql",
 };
 
 inline constexpr std::string_view kSynchronousNormal = "PRAGMA synchronous=NORMAL";
@@ -79,13 +101,74 @@ VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?6)
 ON CONFLICT (tenant, operation, key) DO NOTHING)sql";
 
 // Replaces a record that no longer counts with a new reservation. ?4 fingerprint
-// ?5 new token ?6 lease_until ?7 now ?8 recovery point to keep (or NULL) ?9 the token
-// read in the same transaction.
+// ?5 new token ?6 lease_until ?7 now ?8 1: resume (keep the recovery point and progress),
+// 0: start afresh ?9 the token read in the same transaction.
 inline constexpr std::string_view kReplaceDead = R"sql(
 UPDATE idem_keys
 SET fingerprint = ?4, state = 1, token = ?5, lease_until = ?6, created_at = ?7, expires_at = ?6,
-    status = NULL, headers = NULL, body = NULL, body_ref = NULL, recovery_point = ?8
+    status = NULL, headers = NULL, body = NULL, body_ref = NULL,
+    recovery_point = CASE WHEN ?8 THEN recovery_point END,
+    progress = CASE WHEN ?8 THEN progress END,
+    request = CASE WHEN ?8 THEN request END
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?9)sql";
+
+// Whether the record has progress (a multi-step operation under way).
+inline constexpr std::string_view kHasProgress = R"sql(
+SELECT progress IS NOT NULL FROM idem_keys WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
+
+// ?1..?3 the key: state, token, progress, request.
+inline constexpr std::string_view kLoadProgress = R"sql(
+SELECT state, token, progress, request FROM idem_keys
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
+
+// ?4 token ?5 progress (JSON) ?6 request. Starts the progress once; a resume keeps it.
+inline constexpr std::string_view kBeginSteps = R"sql(
+UPDATE idem_keys SET progress = coalesce(progress, ?5), request = coalesce(request, ?6)
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+
+// ?4 token ?5 progress (JSON) ?6 recovery point (or NULL)
+inline constexpr std::string_view kSetProgress = R"sql(
+UPDATE idem_keys SET progress = ?5, recovery_point = coalesce(?6, recovery_point)
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+
+// ?1 idle before ?2 now ?3 limit. Uses idem_keys_open (its WHERE terms are repeated).
+inline constexpr std::string_view kAbandoned = R"sql(
+SELECT tenant, operation, key, fingerprint, state, request FROM idem_keys
+WHERE state <> 2 AND request IS NOT NULL AND lease_until < ?1
+  AND (state = 1 OR (progress IS NOT NULL AND expires_at > ?2))
+ORDER BY lease_until LIMIT ?3)sql";
+
+// ?1 id ?2 topic ?3 payload ?4 key_hash ?5 now. The same message of a retried step is
+// queued once.
+inline constexpr std::string_view kOutboxInsert = R"sql(
+INSERT INTO idem_outbox (id, topic, payload, key_hash, state, attempts, next_at, created_at)
+VALUES (?1, ?2, ?3, ?4, 0, 0, ?5, ?5)
+ON CONFLICT (id) DO NOTHING)sql";
+
+// ?1 now ?2 claimed until ?3 limit
+inline constexpr std::string_view kOutboxClaim = R"sql(
+UPDATE idem_outbox SET next_at = ?2
+WHERE id IN (SELECT id FROM idem_outbox WHERE state = 0 AND next_at <= ?1
+             ORDER BY next_at LIMIT ?3)
+RETURNING id, topic, payload, attempts, created_at)sql";
+
+// ?1 id ?2 now
+inline constexpr std::string_view kOutboxDelivered = R"sql(
+UPDATE idem_outbox SET state = 1, next_at = ?2, last_error = NULL WHERE id = ?1 AND state = 0)sql";
+
+// ?1 id ?2 due again at (or parked at) ?3 1: park ?4 why
+inline constexpr std::string_view kOutboxFailed = R"sql(
+UPDATE idem_outbox SET attempts = attempts + 1, next_at = ?2, last_error = ?4,
+                       state = CASE WHEN ?3 THEN 2 ELSE 0 END
+WHERE id = ?1 AND state = 0)sql";
+
+inline constexpr std::string_view kOutboxCounts =
+    "SELECT state, count(*) FROM idem_outbox GROUP BY state";
+
+// ?1 delivered before ?2 limit
+inline constexpr std::string_view kOutboxPurge = R"sql(
+DELETE FROM idem_outbox
+WHERE id IN (SELECT id FROM idem_outbox WHERE state = 1 AND next_at < ?1 LIMIT ?2))sql";
 
 inline constexpr std::string_view kLoad = R"sql(
 SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
@@ -98,9 +181,11 @@ UPDATE idem_keys
 SET state = 2, status = ?5, headers = ?6, body = ?7, body_ref = ?8, expires_at = ?9
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
-// ?4 token ?5 now
+// ?4 token ?5 now ?6 until when a record with progress is kept for its retry. lease_until
+// becomes the release time (the completer's "idle since").
 inline constexpr std::string_view kRelease = R"sql(
-UPDATE idem_keys SET state = 3, expires_at = ?5
+UPDATE idem_keys
+SET state = 3, lease_until = ?5, expires_at = CASE WHEN progress IS NULL THEN ?5 ELSE max(?5, ?6) END
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
 // ?4 token ?5 lease_until
@@ -135,7 +220,7 @@ inline constexpr std::string_view kReap = R"sql(
 DELETE FROM idem_keys
 WHERE (tenant, operation, key) IN (
   SELECT tenant, operation, key FROM idem_keys
-  WHERE expires_at < ?1 AND state = 1
+  WHERE expires_at < ?1 AND state = 1 AND progress IS NULL
   ORDER BY expires_at LIMIT ?2)
 RETURNING tenant, operation, key, token, lease_until)sql";
 

@@ -24,6 +24,38 @@ std::vector<Header> headers_from_json(const std::string& text) {
 
 }  // namespace
 
+std::string progress_to_json(const Progress& p) {
+  nlohmann::json steps = nlohmann::json::array();
+  for (const StepResult& s : p.steps) steps.push_back({s.step, s.result, s.reconciled});
+  nlohmann::json j = {{"origin", p.origin}, {"steps", std::move(steps)}, {"pending", nullptr}};
+  if (p.pending) j["pending"] = *p.pending;
+  try {
+    return j.dump();
+  } catch (const nlohmann::json::exception&) {
+    throw error(errc::invalid_argument,
+                "idem: a step's name or result is not valid UTF-8 text; keep results small text "
+                "(an id), and larger or binary data in the application's own tables");
+  }
+}
+
+Progress progress_from_json(std::string_view text) {
+  Progress p;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    p.origin = j.at("origin").get<std::int64_t>();
+    for (const auto& s : j.at("steps")) {
+      p.steps.push_back(
+          {s.at(0).get<std::string>(), s.at(1).get<std::string>(), s.at(2).get<bool>()});
+    }
+    if (const auto& pending = j.at("pending"); !pending.is_null())
+      p.pending = pending.get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    throw StoreError(std::string("sqlite: a stored progress column does not decode: ") + e.what(),
+                     0);
+  }
+  return p;
+}
+
 void bind_id(sqlite::Statement& s, const KeyId& id) {
   s.bind(1, id.tenant);
   s.bind(2, id.operation);

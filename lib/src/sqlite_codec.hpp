@@ -27,6 +27,13 @@ std::string headers_to_json(const std::vector<Header>& headers);
 void bind_response(sqlite::Statement& s, int first, const StoredResponse& r,
                    const std::string& headers_json);
 
+// Progress as the progress column keeps it: {"origin": N, "steps": [[step, result,
+// reconciled], ...], "pending": step or null} (the request has its own column). Throws
+// idem::error(errc::invalid_argument) if a step name or result is not valid UTF-8.
+std::string progress_to_json(const Progress& p);
+// Throws StoreError if `text` does not decode. `request` is left empty.
+Progress progress_from_json(std::string_view text);
+
 // The record on the current row of sql::kLoad (which must have stepped onto a row).
 // Throws StoreError if a column does not decode (a corrupt or foreign row).
 Record read_record(const sqlite::Statement& load);

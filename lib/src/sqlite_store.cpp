@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <optional>
 
 #include "fair_mutex.hpp"
@@ -19,6 +20,99 @@ namespace idem {
 using sqlite::ResetGuard;
 using sqlite::Statement;
 
+namespace {
+
+// A local step's handle on the store's open transaction.
+class SqliteLocal final : public LocalTransaction {
+ public:
+  using Cache = std::map<std::string, std::unique_ptr<Statement>, std::less<>>;
+  SqliteLocal(sqlite3* db, Cache& cache, Statement& outbox_insert, const KeyId& id,
+              std::int64_t origin, std::string_view step, TimePoint now)
+      : db_(db),
+        cache_(cache),
+        outbox_insert_(outbox_insert),
+        id_(id),
+        origin_(origin),
+        step_(step),
+        now_(now) {}
+
+  std::vector<Row> execute(std::string_view sql, std::initializer_list<Value> params) override {
+    auto it = cache_.find(sql);
+    if (it == cache_.end())
+      it = cache_.emplace(std::string(sql), std::make_unique<Statement>(db_, sql)).first;
+    Statement& s = *it->second;
+    ResetGuard reset(s);
+    int i = 1;
+    for (const Value& v : params) {
+      if (std::holds_alternative<std::nullptr_t>(v)) {
+        s.bind_null(i);
+      } else if (const auto* n = std::get_if<std::int64_t>(&v)) {
+        s.bind(i, *n);
+      } else if (const auto* d = std::get_if<double>(&v)) {
+        s.bind(i, *d);
+      } else {
+        s.bind(i, std::get<std::string>(v));
+      }
+      ++i;
+    }
+    std::vector<Row> rows;
+    while (s.step()) {
+      Row row;
+      for (int c = 0; c < s.column_count(); ++c) {
+        switch (s.type(c)) {
+          case Statement::Type::integer:
+            row.emplace_back(s.int64(c));
+            break;
+          case Statement::Type::real:
+            row.emplace_back(s.real(c));
+            break;
+          case Statement::Type::text:
+            row.emplace_back(s.text(c));
+            break;
+          case Statement::Type::blob:
+            row.emplace_back(s.blob(c));
+            break;
+          case Statement::Type::null:
+            row.emplace_back(nullptr);
+            break;
+        }
+      }
+      rows.push_back(std::move(row));
+    }
+    changes_ = s.changes();
+    return rows;
+  }
+
+  std::int64_t changes() const override { return changes_; }
+
+  std::string enqueue(std::string_view topic, std::string_view payload) override {
+    std::string id = outbox_message_id(id_, origin_, step_, sent_++);
+    const std::string hash = short_hash(id_);
+    Statement& s = outbox_insert_;
+    ResetGuard reset(s);
+    s.bind(1, id);
+    s.bind(2, topic);
+    s.bind_blob(3, payload.data(), payload.size());
+    s.bind(4, hash);
+    s.bind(5, detail::ms(now_));
+    s.step();
+    return id;
+  }
+
+ private:
+  sqlite3* db_;
+  Cache& cache_;
+  Statement& outbox_insert_;
+  const KeyId& id_;
+  std::int64_t origin_;
+  std::string_view step_;
+  TimePoint now_;
+  std::size_t sent_ = 0;
+  std::int64_t changes_ = 0;
+};
+
+}  // namespace
+
 struct SqliteStore::Impl {
   detail::FairMutex
       mutex;  // serialises every use of `db` and the statements, first come first served
@@ -28,6 +122,11 @@ struct SqliteStore::Impl {
   // Every statement, prepared once when the store opens and reused.
   Statement reserve, replace_dead, load, complete, release, renew, set_recovery_point,
       insert_completed, purge, reap;
+  // Multi-step operations and the outbox.
+  Statement has_progress, load_progress, begin_steps, set_progress, abandoned, outbox_insert,
+      outbox_claim, outbox_delivered, outbox_failed, outbox_counts, outbox_purge;
+  // The statements local steps ran, by text, prepared once.
+  std::map<std::string, std::unique_ptr<Statement>, std::less<>> local_statements;
   std::atomic<std::uint64_t> transactions{0}, committed_ops{0};
   std::optional<detail::Checkpointer> checkpointer;  // SqliteOptions::background_checkpoint
 
@@ -44,7 +143,18 @@ struct SqliteStore::Impl {
         set_recovery_point(db.get(), sql::kSetRecoveryPoint),
         insert_completed(db.get(), sql::kInsertCompleted),
         purge(db.get(), sql::kPurge),
-        reap(db.get(), sql::kReap) {
+        reap(db.get(), sql::kReap),
+        has_progress(db.get(), sql::kHasProgress),
+        load_progress(db.get(), sql::kLoadProgress),
+        begin_steps(db.get(), sql::kBeginSteps),
+        set_progress(db.get(), sql::kSetProgress),
+        abandoned(db.get(), sql::kAbandoned),
+        outbox_insert(db.get(), sql::kOutboxInsert),
+        outbox_claim(db.get(), sql::kOutboxClaim),
+        outbox_delivered(db.get(), sql::kOutboxDelivered),
+        outbox_failed(db.get(), sql::kOutboxFailed),
+        outbox_counts(db.get(), sql::kOutboxCounts),
+        outbox_purge(db.get(), sql::kOutboxPurge) {
     if (o.background_checkpoint) {
       checkpointer.emplace(db.get(), path, o, mutex);
     } else {
@@ -104,21 +214,38 @@ struct SqliteStore::Impl {
       out.existing = std::move(existing);
       return out;
     }
+    // A multi-step operation that failed after making progress keeps its key for its own
+    // retry until the record's expiry: another request with this key is a reuse (money may
+    // have moved under the first).
+    const bool progress = record_has_progress(id);
+    const bool same = existing->fingerprint == fingerprint;
+    if (progress && existing->state == State::released && now < existing->expires_at && !same) {
+      out.kind = Reservation::Kind::existing;
+      out.existing = std::move(existing);
+      return out;
+    }
     // The record no longer counts: replace it with our reservation. The token grows past
     // every earlier token of this key, and past the clock, so a token stays unique even
-    // after a purge deleted the row.
+    // after a purge deleted the row. The same request resumes an in_progress record (a
+    // takeover) or a released one with progress (a retry after a failed step).
     const bool takeover = existing->state == State::in_progress;
-    const bool resume = takeover && existing->fingerprint == fingerprint;
+    const bool resume = same && (takeover || (progress && existing->state == State::released &&
+                                              now < existing->expires_at));
     out.kind = takeover ? Reservation::Kind::taken_over : Reservation::Kind::reserved;
     out.token = std::max(existing->token + 1, detail::ms(now));
     if (resume) out.recovery_point = existing->recovery_point;
-    replace(id, fingerprint, out.token, now, lease_until, out.recovery_point, existing->token);
+    replace(id, fingerprint, out.token, now, lease_until, resume, existing->token);
     return out;
   }
 
+  bool record_has_progress(const KeyId& id) {
+    ResetGuard reset(has_progress);
+    detail::bind_id(has_progress, id);
+    return has_progress.step() && has_progress.int64(0) != 0;
+  }
+
   void replace(const KeyId& id, const Fingerprint& fingerprint, std::int64_t token, TimePoint now,
-               TimePoint lease_until, const std::optional<std::string>& recovery_point,
-               std::int64_t old_token) {
+               TimePoint lease_until, bool resume, std::int64_t old_token) {
     Statement& s = replace_dead;
     ResetGuard reset(s);
     detail::bind_id(s, id);
@@ -126,11 +253,7 @@ struct SqliteStore::Impl {
     s.bind(5, token);
     s.bind(6, detail::ms(lease_until));
     s.bind(7, detail::ms(now));
-    if (recovery_point) {
-      s.bind(8, *recovery_point);
-    } else {
-      s.bind_null(8);
-    }
+    s.bind(8, std::int64_t{resume ? 1 : 0});
     s.bind(9, old_token);
     if (!changed(s)) throw StoreError("sqlite: reserve: record changed inside its transaction", 0);
   }
@@ -147,12 +270,13 @@ struct SqliteStore::Impl {
     return changed(s);
   }
 
-  bool release_in_tx(const KeyId& id, std::int64_t token, TimePoint now) {
+  bool release_in_tx(const KeyId& id, std::int64_t token, TimePoint now, TimePoint keep_until) {
     Statement& s = release;
     ResetGuard reset(s);
     detail::bind_id(s, id);
     s.bind(4, token);
     s.bind(5, detail::ms(now));
+    s.bind(6, detail::ms(keep_until));
     return changed(s);
   }
 
@@ -176,7 +300,7 @@ struct SqliteStore::Impl {
     if (existing && existing->live_at(now)) return existing;
     // A dead record: overwrite it with a completed one (reserve, then complete).
     const std::int64_t token = std::max(existing ? existing->token + 1 : 0, detail::ms(now));
-    replace(id, fingerprint, token, now, now, std::nullopt, existing ? existing->token : 0);
+    replace(id, fingerprint, token, now, now, false, existing ? existing->token : 0);
     if (!complete_in_tx(id, token, response, expires_at)) {
       throw StoreError("sqlite: store_if_absent: record changed", 0);
     }
@@ -192,7 +316,7 @@ struct SqliteStore::Impl {
         op.applied = complete_in_tx(*op.id, op.token, *op.response, op.expires_at);
         break;
       case StoreOp::Kind::release:
-        op.applied = release_in_tx(*op.id, op.token, op.now);
+        op.applied = release_in_tx(*op.id, op.token, op.now, std::max(op.now, op.expires_at));
         break;
       case StoreOp::Kind::store_if_absent:
         if (std::optional<Record> winner = store_if_absent_in_tx(
@@ -357,6 +481,212 @@ std::vector<ReapedRecord> SqliteStore::reap(TimePoint lease_ended_before, std::s
     out.push_back({short_hash(id), id.operation, s.int64(3), detail::at_ms(s.int64(4))});
   }
   return out;
+}
+
+// ---- multi-step operations and the outbox ----
+
+namespace {
+
+// The row kLoadProgress read.
+struct ProgressRow {
+  State state;
+  std::int64_t token;
+  std::optional<Progress> progress;
+};
+
+std::optional<ProgressRow> read_progress(Statement& s, const KeyId& id) {
+  ResetGuard reset(s);
+  detail::bind_id(s, id);
+  if (!s.step()) return std::nullopt;
+  ProgressRow row{static_cast<State>(s.int64(0)), s.int64(1), std::nullopt};
+  if (!s.is_null(2)) {
+    row.progress = detail::progress_from_json(s.text(2));
+    if (!s.is_null(3)) row.progress->request = s.blob(3);
+  }
+  return row;
+}
+
+// Writes `p` (and the recovery point, if given) on the record `token` holds.
+bool write_progress(Statement& s, const KeyId& id, std::int64_t token, const Progress& p,
+                    const std::string* recovery_point) {
+  const std::string text = detail::progress_to_json(p);
+  ResetGuard reset(s);
+  detail::bind_id(s, id);
+  s.bind(4, token);
+  s.bind(5, text);
+  if (recovery_point != nullptr) {
+    s.bind(6, *recovery_point);
+  } else {
+    s.bind_null(6);
+  }
+  s.step();
+  return s.changes() == 1;
+}
+
+}  // namespace
+
+std::optional<Progress> SqliteStore::begin_steps(const KeyId& id, std::int64_t token,
+                                                 const std::string& request) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  sqlite::Transaction t(d.tx);
+  {
+    Progress begun;
+    begun.origin = token;
+    const std::string fresh = detail::progress_to_json(begun);
+    Statement& s = d.begin_steps;
+    ResetGuard reset(s);
+    detail::bind_id(s, id);
+    s.bind(4, token);
+    s.bind(5, fresh);
+    s.bind_blob(6, request.data(), request.size());
+    s.step();
+    if (s.changes() != 1) return std::nullopt;
+  }
+  std::optional<ProgressRow> row = read_progress(d.load_progress, id);
+  if (!row || !row->progress) throw StoreError("sqlite: begin_steps: the progress vanished", 0);
+  t.commit();
+  return std::move(row->progress);
+}
+
+bool SqliteStore::mark_pending(const KeyId& id, std::int64_t token, const std::string& step) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  sqlite::Transaction t(d.tx);
+  std::optional<ProgressRow> row = read_progress(d.load_progress, id);
+  if (!row || row->token != token || row->state != State::in_progress || !row->progress)
+    return false;
+  row->progress->pending = step;
+  if (!write_progress(d.set_progress, id, token, *row->progress, nullptr)) return false;
+  t.commit();
+  return true;
+}
+
+bool SqliteStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                              const StepCommit& step) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  sqlite::Transaction t(d.tx);
+  std::optional<ProgressRow> row = read_progress(d.load_progress, id);
+  if (!row || row->token != token || row->state != State::in_progress || !row->progress)
+    return false;  // a zombie: nothing of its step runs
+  if (step.local) {
+    SqliteLocal local(d.db.get(), d.local_statements, d.outbox_insert, id, origin, step.result.step,
+                      step.now);
+    step.local(local);
+  }
+  Progress& p = *row->progress;
+  p.steps.push_back(step.result);
+  p.pending.reset();
+  if (!write_progress(d.set_progress, id, token, p, &step.result.step))
+    throw StoreError("sqlite: commit_step: record changed inside its transaction", 0);
+  t.commit();
+  return true;
+}
+
+std::vector<AbandonedOperation> SqliteStore::abandoned(TimePoint idle_before, TimePoint now,
+                                                       std::size_t limit) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  Statement& s = d.abandoned;
+  ResetGuard reset(s);
+  s.bind(1, detail::ms(idle_before));
+  s.bind(2, detail::ms(now));
+  s.bind(3, static_cast<std::int64_t>(limit));
+  std::vector<AbandonedOperation> out;
+  while (s.step()) {
+    AbandonedOperation a;
+    a.id = KeyId{s.text(0), s.text(1), s.text(2)};
+    const std::string_view fp = s.blob_view(3);
+    Fingerprint::Bytes bytes{};
+    std::copy_n(fp.begin(), std::min(fp.size(), bytes.size()), bytes.begin());
+    a.fingerprint = Fingerprint(bytes);
+    a.state = static_cast<State>(s.int64(4));
+    a.request = s.blob(5);
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+std::vector<OutboxMessage> SqliteStore::claim_outbox(TimePoint now, TimePoint claim_until,
+                                                     std::size_t limit) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  sqlite::Transaction t(d.tx);
+  std::vector<OutboxMessage> out;
+  {
+    Statement& s = d.outbox_claim;
+    ResetGuard reset(s);
+    s.bind(1, detail::ms(now));
+    s.bind(2, detail::ms(claim_until));
+    s.bind(3, static_cast<std::int64_t>(limit));
+    while (s.step()) {
+      out.push_back(OutboxMessage{s.text(0), s.text(1), s.blob(2), static_cast<int>(s.int64(3)),
+                                  detail::at_ms(s.int64(4))});
+    }
+  }
+  t.commit();
+  std::stable_sort(out.begin(), out.end(), [](const OutboxMessage& a, const OutboxMessage& b) {
+    return a.created_at < b.created_at;
+  });
+  return out;
+}
+
+bool SqliteStore::outbox_delivered(const std::string& id, TimePoint now) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  Statement& s = d.outbox_delivered;
+  ResetGuard reset(s);
+  s.bind(1, id);
+  s.bind(2, detail::ms(now));
+  return Impl::changed(s);
+}
+
+void SqliteStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                                const std::string& why) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  Statement& s = d.outbox_failed;
+  ResetGuard reset(s);
+  s.bind(1, id);
+  s.bind(2, detail::ms(retry_at));
+  s.bind(3, std::int64_t{park ? 1 : 0});
+  s.bind(4, why);
+  s.step();
+}
+
+OutboxCounts SqliteStore::outbox_counts() {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  Statement& s = d.outbox_counts;
+  ResetGuard reset(s);
+  OutboxCounts c;
+  while (s.step()) {
+    const auto n = static_cast<std::size_t>(s.int64(1));
+    switch (s.int64(0)) {
+      case 0:
+        c.pending = n;
+        break;
+      case 1:
+        c.delivered = n;
+        break;
+      default:
+        c.parked = n;
+        break;
+    }
+  }
+  return c;
+}
+
+std::size_t SqliteStore::purge_outbox(TimePoint delivered_before, std::size_t limit) {
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  Statement& s = d.outbox_purge;
+  ResetGuard reset(s);
+  s.bind(1, detail::ms(delivered_before));
+  s.bind(2, static_cast<std::int64_t>(limit));
+  s.step();
+  return static_cast<std::size_t>(s.changes());
 }
 
 }  // namespace idem

@@ -1,6 +1,17 @@
 #include "idem/store.hpp"
 
+#include "idem/errors.hpp"
+
 namespace idem {
+namespace {
+
+[[noreturn]] void no_steps() {
+  throw error(errc::invalid_argument,
+              "idem: this store keeps no progress: multi-step operations and the outbox need "
+              "an engine that implements them (SqliteStore does)");
+}
+
+}  // namespace
 
 void Store::apply(std::span<StoreOp* const> ops) {
   for (StoreOp* p : ops) {
@@ -14,7 +25,7 @@ void Store::apply(std::span<StoreOp* const> ops) {
           op.applied = complete(*op.id, op.token, *op.response, op.expires_at);
           break;
         case StoreOp::Kind::release:
-          op.applied = release(*op.id, op.token, op.now);
+          op.applied = release(*op.id, op.token, op.now);  // progress, if any, is not kept
           break;
         case StoreOp::Kind::store_if_absent:
           if (std::optional<Record> winner =
@@ -29,5 +40,17 @@ void Store::apply(std::span<StoreOp* const> ops) {
     }
   }
 }
+
+std::optional<Progress> Store::begin_steps(const KeyId&, std::int64_t, const std::string&) {
+  no_steps();
+}
+bool Store::mark_pending(const KeyId&, std::int64_t, const std::string&) { no_steps(); }
+bool Store::commit_step(const KeyId&, std::int64_t, std::int64_t, const StepCommit&) { no_steps(); }
+std::vector<AbandonedOperation> Store::abandoned(TimePoint, TimePoint, std::size_t) { no_steps(); }
+std::vector<OutboxMessage> Store::claim_outbox(TimePoint, TimePoint, std::size_t) { no_steps(); }
+bool Store::outbox_delivered(const std::string&, TimePoint) { no_steps(); }
+void Store::outbox_failed(const std::string&, TimePoint, bool, const std::string&) { no_steps(); }
+OutboxCounts Store::outbox_counts() { no_steps(); }
+std::size_t Store::purge_outbox(TimePoint, std::size_t) { no_steps(); }
 
 }  // namespace idem

@@ -41,6 +41,45 @@ std::optional<Record> StoreWrapper::store_if_absent(const KeyId& id, const Finge
 
 void StoreWrapper::apply(std::span<StoreOp* const> ops) { target_->apply(ops); }
 
+std::optional<Progress> StoreWrapper::begin_steps(const KeyId& id, std::int64_t token,
+                                                  const std::string& request) {
+  return target_->begin_steps(id, token, request);
+}
+
+bool StoreWrapper::mark_pending(const KeyId& id, std::int64_t token, const std::string& step) {
+  return target_->mark_pending(id, token, step);
+}
+
+bool StoreWrapper::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                               const StepCommit& step) {
+  return target_->commit_step(id, token, origin, step);
+}
+
+std::vector<AbandonedOperation> StoreWrapper::abandoned(TimePoint idle_before, TimePoint now,
+                                                        std::size_t limit) {
+  return target_->abandoned(idle_before, now, limit);
+}
+
+std::vector<OutboxMessage> StoreWrapper::claim_outbox(TimePoint now, TimePoint claim_until,
+                                                      std::size_t limit) {
+  return target_->claim_outbox(now, claim_until, limit);
+}
+
+bool StoreWrapper::outbox_delivered(const std::string& id, TimePoint now) {
+  return target_->outbox_delivered(id, now);
+}
+
+void StoreWrapper::outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                                 const std::string& why) {
+  target_->outbox_failed(id, retry_at, park, why);
+}
+
+OutboxCounts StoreWrapper::outbox_counts() { return target_->outbox_counts(); }
+
+std::size_t StoreWrapper::purge_outbox(TimePoint delivered_before, std::size_t limit) {
+  return target_->purge_outbox(delivered_before, limit);
+}
+
 std::size_t StoreWrapper::purge_expired(TimePoint now, std::size_t limit) {
   return target_->purge_expired(now, limit);
 }

@@ -31,6 +31,7 @@ int code_of(Operation op) {
       return SQLITE_IOERR_READ;
     case Operation::complete:
     case Operation::store_if_absent:
+    case Operation::steps:
       return SQLITE_FULL;
     default:
       return SQLITE_IOERR_WRITE;
@@ -109,6 +110,56 @@ void FaultyStore::apply(std::span<StoreOp* const> ops) {
     }
   }
   if (!healthy.empty()) StoreWrapper::apply(healthy);
+}
+
+std::optional<Progress> FaultyStore::begin_steps(const KeyId& id, std::int64_t token,
+                                                 const std::string& request) {
+  fail_if(Operation::steps);
+  return StoreWrapper::begin_steps(id, token, request);
+}
+
+bool FaultyStore::mark_pending(const KeyId& id, std::int64_t token, const std::string& step) {
+  fail_if(Operation::steps);
+  return StoreWrapper::mark_pending(id, token, step);
+}
+
+bool FaultyStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                              const StepCommit& step) {
+  fail_if(Operation::steps);
+  return StoreWrapper::commit_step(id, token, origin, step);
+}
+
+std::vector<AbandonedOperation> FaultyStore::abandoned(TimePoint idle_before, TimePoint now,
+                                                       std::size_t limit) {
+  fail_if(Operation::steps);
+  return StoreWrapper::abandoned(idle_before, now, limit);
+}
+
+std::vector<OutboxMessage> FaultyStore::claim_outbox(TimePoint now, TimePoint claim_until,
+                                                     std::size_t limit) {
+  fail_if(Operation::outbox);
+  return StoreWrapper::claim_outbox(now, claim_until, limit);
+}
+
+bool FaultyStore::outbox_delivered(const std::string& id, TimePoint now) {
+  fail_if(Operation::outbox);
+  return StoreWrapper::outbox_delivered(id, now);
+}
+
+void FaultyStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                                const std::string& why) {
+  fail_if(Operation::outbox);
+  StoreWrapper::outbox_failed(id, retry_at, park, why);
+}
+
+OutboxCounts FaultyStore::outbox_counts() {
+  fail_if(Operation::outbox);
+  return StoreWrapper::outbox_counts();
+}
+
+std::size_t FaultyStore::purge_outbox(TimePoint delivered_before, std::size_t limit) {
+  fail_if(Operation::outbox);
+  return StoreWrapper::purge_outbox(delivered_before, limit);
 }
 
 std::size_t FaultyStore::purge_expired(TimePoint now, std::size_t limit) {

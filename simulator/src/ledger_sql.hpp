@@ -19,6 +19,10 @@ CREATE INDEX IF NOT EXISTS charges_by_key ON charges (idem_key);
 // ?1 idempotency key: the first charge made with it ('' never matches).
 inline constexpr std::string_view kFindByKey =
     "SELECT seq FROM charges WHERE idem_key = ?1 AND idem_key <> '' ORDER BY seq LIMIT 1";
+// ?1 idempotency key: the whole first charge made with it ('' never matches).
+inline constexpr std::string_view kChargeByKey =
+    "SELECT seq, order_id, amount, idem_key, at FROM charges WHERE idem_key = ?1 AND "
+    "idem_key <> '' ORDER BY seq LIMIT 1";
 // ?1 order ?2 amount ?3 key ?4 at (epoch ms); the new charge's seq.
 inline constexpr std::string_view kInsert =
     "INSERT INTO charges (order_id, amount, idem_key, at) VALUES (?1, ?2, ?3, ?4) RETURNING seq";

@@ -18,7 +18,7 @@ struct Provider::Ledger {
   sqlite::BusyPolicy busy{std::chrono::seconds(30), {}};
   sqlite::Connection db;
   sqlite::TransactionStatements tx;
-  std::unique_ptr<sqlite::Statement> find, insert, count, all, page;
+  std::unique_ptr<sqlite::Statement> find, by_key, insert, count, all, page;
 
   explicit Ledger(const std::string& path)
       : db(sqlite::open_connection(path.empty() ? ":memory:" : path, &busy)), tx(db.get()) {
@@ -32,6 +32,7 @@ struct Provider::Ledger {
       return std::make_unique<sqlite::Statement>(db.get(), text);
     };
     find = make(sql::kFindByKey);
+    by_key = make(sql::kChargeByKey);
     insert = make(sql::kInsert);
     count = make(sql::kCount);
     all = make(sql::kAll);
@@ -112,6 +113,15 @@ ChargeResult Provider::finish(const PendingCharge& p) {
     l.insert->step();
   }
   tx.commit();
+  if (p.fault == Fault::charged_then_timeout) {
+    emit(result.deduplicated
+             ? fmt::format(
+                   "provider: duplicate charge for {} recognised as {}, answer lost (timed out)",
+                   p.order_id, result.charge_id)
+             : fmt::format("provider: charged {} for {}, answer lost (timed out)", result.charge_id,
+                           p.order_id));
+    throw ProviderTimeout();
+  }
   emit(result.deduplicated
            ? fmt::format("provider: duplicate charge for {} recognised, returned {}", p.order_id,
                          result.charge_id)
@@ -157,6 +167,16 @@ std::size_t Provider::charge_count() const {
   sqlite::ResetGuard reset(s);
   s.step();
   return static_cast<std::size_t>(s.int64(0));
+}
+
+std::optional<Charge> Provider::find(const std::string& idempotency_key) const {
+  std::lock_guard lock(mutex_);
+  sqlite::Statement& s = *ledger_->by_key;
+  sqlite::ResetGuard reset(s);
+  s.bind(1, idempotency_key);
+  std::vector<Charge> found = read_charges(s);
+  if (found.empty()) return std::nullopt;
+  return std::move(found.front());
 }
 
 std::vector<std::string> Provider::charge_ids() const {

@@ -5,10 +5,15 @@
 
 #include <utility>  // Boost 1.74's awaitable.hpp needs std::exchange declared first
 
+#include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/awaitable.hpp>
 #include <functional>
+#include <memory>
+#include <optional>
+#include <string>
 
 #include "idem/coordinator.hpp"
+#include "idem/steps.hpp"
 
 namespace idem {
 
@@ -24,6 +29,81 @@ using AsyncAction = std::function<boost::asio::awaitable<Response>()>;
 // to the first writer's executor; each coroutine resumes after its write is committed.
 boost::asio::awaitable<Outcome> async_call(Coordinator& coordinator, Request request,
                                            AsyncAction action);
+
+// Coordinator::call_steps for coroutines (idem/steps.hpp). The Attempt's steps write to the
+// store from the calling thread (one short transaction each, as a read does).
+using AsyncStepsAction = std::function<boost::asio::awaitable<Response>(Attempt&)>;
+boost::asio::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request request,
+                                                 AsyncStepsAction action);
+
+// Attempt::external for coroutine calls: the same plan (done, look up first after an unknown
+// outcome, or call with the derived key), the same errors.
+using AsyncExternalCall =
+    std::function<boost::asio::awaitable<std::string>(const std::string& derived_key)>;
+using AsyncLookup = std::function<boost::asio::awaitable<std::optional<std::string>>(
+    const std::string& derived_key)>;
+boost::asio::awaitable<std::string> async_external(Attempt& attempt, std::string step,
+                                                   AsyncExternalCall call, AsyncLookup lookup = {});
+
+// --- Maintenance on a schedule (SPEC §7, §8) ---------------------------------------------
+
+struct MaintenanceOptions {
+  // How often each job runs. Defaults: purge, reap and the completer every 10 s, the outbox
+  // every second.
+  std::chrono::milliseconds purge_every{std::chrono::seconds(10)};
+  std::chrono::milliseconds reap_every{std::chrono::seconds(10)};
+  std::chrono::milliseconds complete_every{std::chrono::seconds(10)};
+  std::chrono::milliseconds dispatch_every{std::chrono::seconds(1)};
+  // Records per purge or reap transaction (short, so a request waits for the write lock at
+  // most one batch). Default: 100.
+  std::size_t batch = 100;
+  CompleterOptions completer{};
+  OutboxOptions outbox{};
+};
+
+struct MaintenanceReport {
+  std::size_t purged = 0;         // expired records deleted
+  std::size_t reaped = 0;         // abandoned reservations without progress cleared
+  std::size_t outbox_purged = 0;  // delivered messages deleted
+  CompleterReport completer{};
+  DispatchReport outbox{};
+  std::size_t failures = 0;  // jobs that failed this round (logged "maintenance_failed")
+};
+
+// One background task for a long-running embedding (idem-demo serve uses it): purge, reap,
+// the completer and the outbox dispatcher, each at its interval, on an executor the
+// application gives it (its own thread, so the store work and the completer's steps never
+// run on a request's thread). Jobs are counted in Coordinator::metrics() and logged; a job
+// that fails is logged and tried again at its next turn.
+// Thread-safety: configure (resume(), deliver()) before start(); stop() from any thread.
+class Maintenance {
+ public:
+  // Throws idem::error(errc::invalid_argument) for a non-positive interval or a batch of 0.
+  explicit Maintenance(Coordinator& coordinator, MaintenanceOptions options = {});
+  ~Maintenance();
+  Maintenance(const Maintenance&) = delete;
+  Maintenance& operator=(const Maintenance&) = delete;
+
+  // The completer's handler for `operation` (usually the action the requests run).
+  void resume(std::string operation, AsyncStepsAction action);
+  // Where outbox messages go. Without one, the outbox is not dispatched.
+  void deliver(Delivery delivery);
+
+  // Every job once, now.
+  boost::asio::awaitable<MaintenanceReport> run_once();
+  // Runs the jobs at their intervals on `executor` (on the coordinator's clock) until
+  // stop(). The object must outlive the loop: stop(), then let the executor finish (join
+  // its thread) before destroying it.
+  void start(const boost::asio::any_io_executor& executor);
+  // Ends the loop at its next wake (within the shortest interval).
+  void stop() noexcept;
+  // Totals since construction.
+  MaintenanceReport totals() const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
 
 // Suspends the calling coroutine until `clock` reaches `at` (real or simulated time).
 boost::asio::awaitable<void> async_sleep_until(Clock& clock, TimePoint at);

@@ -33,12 +33,17 @@ class CoordinatorCore;
 struct CoordinatorAccess;
 }  // namespace detail
 
+class Attempt;  // idem/steps.hpp
+
 struct Request {
   std::string tenant;
   std::string operation;
   std::optional<std::string> key;       // nullopt: the client sent none (Options::missing_key)
   Fingerprint fingerprint;              // of the request's significant fields
   std::optional<InFlight> in_flight{};  // per-call override of Options::in_flight
+  // call_steps only: the request as the action needs it to run without its client. Stored on
+  // the record with the first attempt (Attempt::request()), so the completer can resume it.
+  std::string payload{};
 };
 
 struct Outcome {
@@ -94,6 +99,23 @@ class Coordinator {
   // is returned and the key stays reserved until its lease ends.
   Outcome call(const Request& request, const std::function<Response()>& action);
 
+  // call() for an operation of several steps (idem/steps.hpp): `action` gets an Attempt that
+  // runs named steps, records each with its result as the recovery point, and skips the
+  // steps an earlier attempt recorded. Differences from call():
+  //  - If `action` throws, the key is released but its progress is kept for the TTL, so a
+  //    retry of the same request resumes (counted as MetricsSnapshot::interrupted once a
+  //    step was recorded); a request with another fingerprint meanwhile is a KeyReuseError.
+  //  - It never runs unprotected: its progress lives in the store, so a store failure is a
+  //    StoreError under either FailureMode, and a missing key is an InvalidKeyError.
+  //  - InFlight::run is refused (idem::error(errc::invalid_argument)).
+  // Every other rule and error is call()'s. Needs a store with progress (SqliteStore).
+  Outcome call_steps(const Request& request, const std::function<Response(Attempt&)>& action);
+
+  // Multi-step operations left mid-way (Store::abandoned): in progress with a lease that
+  // ended, or released after a failed step, longer than `idle_for` ago. At most `limit`.
+  // The Completer resumes them. Throws StoreError.
+  std::vector<AbandonedOperation> abandoned(std::chrono::milliseconds idle_for, std::size_t limit);
+
   // Deletes completed records past their TTL and released records, in batches of `batch`
   // records, each its own short transaction, until a batch comes back short. Reservations
   // whose lease ended are not purged: reap() reports and clears them. Returns how many were
@@ -129,7 +151,7 @@ class Coordinator {
   Store& store() const noexcept;
 
  private:
-  friend struct detail::CoordinatorAccess;  // the coroutine front end (idem/asio.hpp)
+  friend struct detail::CoordinatorAccess;  // the coroutine front end (idem/asio.hpp), steps
   std::unique_ptr<detail::CoordinatorCore> core_;
 };
 

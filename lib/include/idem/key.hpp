@@ -43,6 +43,16 @@ std::string short_hash(const KeyId& id);
 // Result: "idem_<32 hex digits>:<step>".
 std::string derived_key(const KeyId& id, std::string_view step);
 
+// The derived key of a multi-step operation's step (Attempt::derived_key): as above, and
+// also different for every `origin` (Progress::origin), so a request made with the same key
+// after its TTL is a new operation downstream too. "idem_<32 hex digits>:<step>".
+std::string derived_key(const KeyId& id, std::int64_t origin, std::string_view step);
+
+// The id of the `n`-th message (from 0) a step of a multi-step operation enqueued:
+// "msg_<32 hex digits>", the same on every attempt of that operation, never holding the key.
+std::string outbox_message_id(const KeyId& id, std::int64_t origin, std::string_view step,
+                              std::size_t n);
+
 struct KeyIdHash {
   std::size_t operator()(const KeyId& id) const noexcept;
 };

@@ -22,6 +22,16 @@ struct MetricsSnapshot {
   std::uint64_t ran_unprotected = 0;        // actions run without the store
   std::uint64_t purged = 0;                 // expired records deleted
   std::uint64_t reaped = 0;                 // abandoned reservations cleared
+  // Multi-step operations (idem/steps.hpp).
+  std::uint64_t steps_recorded = 0;      // steps recorded with their recovery point
+  std::uint64_t resumed = 0;             // attempts that resumed recorded progress
+  std::uint64_t reconciled = 0;          // unknown outcomes settled by a lookup, not a call
+  std::uint64_t interrupted = 0;         // attempts that failed after recording a step
+  std::uint64_t completer_finished = 0;  // abandoned operations the completer finished
+  std::uint64_t completer_failed = 0;    // completer attempts that failed again
+  std::uint64_t outbox_delivered = 0;    // messages delivered
+  std::uint64_t outbox_retried = 0;      // failed deliveries, to be retried
+  std::uint64_t outbox_parked = 0;       // messages given up on after max_attempts
 
   // Prometheus text exposition, each counter as idem_<name>_total.
   std::string to_prometheus() const;

@@ -73,6 +73,22 @@ class SqliteStore final : public Store {
   std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
                                         const StoredResponse& response, TimePoint now,
                                         TimePoint expires_at) override;
+  std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
+                                      const std::string& request) override;
+  bool mark_pending(const KeyId& id, std::int64_t token, const std::string& step) override;
+  // Local steps run their statements on this store's connection inside its transaction;
+  // they must not begin, commit or roll back transactions of their own.
+  bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                   const StepCommit& step) override;
+  std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now,
+                                            std::size_t limit) override;
+  std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
+                                          std::size_t limit) override;
+  bool outbox_delivered(const std::string& id, TimePoint now) override;
+  void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                     const std::string& why) override;
+  OutboxCounts outbox_counts() override;
+  std::size_t purge_outbox(TimePoint delivered_before, std::size_t limit) override;
   std::size_t purge_expired(TimePoint now, std::size_t limit) override;
   std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
   void apply(std::span<StoreOp* const> ops) override;

@@ -8,9 +8,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
+#include <initializer_list>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <variant>
 #include <vector>
 
 #include "idem/clock.hpp"
@@ -79,6 +83,79 @@ struct ReapedRecord {
   TimePoint lease_until;
 };
 
+// --- Multi-step operations (SPEC §7) ----------------------------------------------------
+
+// One finished step of a multi-step operation and its small result (a charge id).
+struct StepResult {
+  std::string step;
+  std::string result;
+  bool reconciled = false;  // recorded from a lookup after an unknown outcome, not a call
+};
+
+// A multi-step operation's progress, kept on its record across failed attempts, takeovers
+// and restarts until the operation completes and its TTL ends.
+struct Progress {
+  // The token of the reservation that began the operation. Derived keys and outbox message
+  // ids come from it, so they hold across retries, takeovers and processes, and a request
+  // made with the same key after the TTL gets new ones.
+  std::int64_t origin = 0;
+  std::vector<StepResult> steps;       // finished steps in order; the last is the recovery point
+  std::optional<std::string> pending;  // an external step begun and not recorded: its outcome
+                                       // is unknown until it is looked up
+  std::string request;                 // the request as the operation stored it (the completer's)
+};
+
+// The open transaction of a local step (Attempt::local): the application's statements run in
+// it, with the step's recovery point, and commit or roll back together.
+class LocalTransaction {
+ public:
+  using Value = std::variant<std::nullptr_t, std::int64_t, double, std::string>;
+  using Row = std::vector<Value>;
+  virtual ~LocalTransaction() = default;
+  // Runs one statement in the store's SQL dialect (SqliteStore: SQLite, parameters ?1..?N)
+  // and returns its rows. Throws StoreError (the whole step rolls back).
+  virtual std::vector<Row> execute(std::string_view sql,
+                                   std::initializer_list<Value> params = {}) = 0;
+  // Rows changed by the last statement execute() ran.
+  virtual std::int64_t changes() const = 0;
+  // Queues a message in the outbox, committed with this step and delivered at least once
+  // afterwards. Returns its id (outbox_message_id()): the same for this operation, step and
+  // n-th message of the step on every attempt, so the receiver can deduplicate on it.
+  virtual std::string enqueue(std::string_view topic, std::string_view payload) = 0;
+};
+
+// One step to record (Store::commit_step).
+struct StepCommit {
+  StepResult result;
+  TimePoint now{};  // when messages are queued (due at once)
+  // Runs inside the transaction before the recovery point is written; may be empty. What it
+  // throws rolls the step back and propagates.
+  std::function<void(LocalTransaction&)> local{};
+};
+
+// A message of the outbox as the dispatcher gets it.
+struct OutboxMessage {
+  std::string id;  // stable: deduplicate on it
+  std::string topic;
+  std::string payload;
+  int attempts = 0;  // deliveries tried before this one
+  TimePoint created_at;
+};
+
+struct OutboxCounts {
+  std::size_t pending = 0;    // not delivered yet (including those waiting for a retry)
+  std::size_t delivered = 0;  // delivered and not yet purged
+  std::size_t parked = 0;     // gave up after OutboxOptions::max_attempts; need an operator
+};
+
+// An operation left mid-way (Store::abandoned): what the completer needs to resume it.
+struct AbandonedOperation {
+  KeyId id;
+  Fingerprint fingerprint;
+  State state = State::in_progress;  // in_progress (its owner vanished) or released (it failed)
+  std::string request;
+};
+
 // One write for Store::apply: the inputs of reserve(), complete(), release() or
 // store_if_absent(), and room for the result. The pointers belong to the caller and must
 // stay valid until apply() has returned.
@@ -89,7 +166,8 @@ struct StoreOp {
   const Fingerprint* fingerprint = nullptr;  // reserve, store_if_absent
   TimePoint now{};                           // reserve, release, store_if_absent
   TimePoint lease_until{};                   // reserve
-  TimePoint expires_at{};                    // complete, store_if_absent
+  TimePoint expires_at{};                    // complete, store_if_absent; release: how long a
+                                             // record with progress is kept for its retry
   std::int64_t token = 0;                    // complete, release
   const StoredResponse* response = nullptr;  // complete, store_if_absent
 
@@ -123,7 +201,9 @@ class Store {
   virtual bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
                         TimePoint expires_at) = 0;
 
-  // in_progress -> released, only if `token` is current. Returns false if it is not.
+  // in_progress -> released, only if `token` is current. Returns false if it is not. (The
+  // StoreOp form also keeps a record with Progress until StoreOp::expires_at, so the retry
+  // resumes; the single-op form keeps it until `now`.)
   virtual bool release(const KeyId& id, std::int64_t token, TimePoint now) = 0;
 
   // Extends the lease of an in_progress record to `lease_until`, only if `token` is current.
@@ -153,12 +233,47 @@ class Store {
   // default runs reserve(), complete(), release() and store_if_absent() one by one.
   virtual void apply(std::span<StoreOp* const> ops);
 
+  // ---- Multi-step operations. The defaults throw idem::error(errc::invalid_argument): an
+  // engine that keeps no progress cannot run them. SqliteStore implements them all.
+
+  // Starts or resumes the progress of the record `token` holds: the first call stores
+  // {origin = token, request}; later ones (a resume) keep what is there. Returns the
+  // progress, or nullopt (changing nothing) if `token` is not current.
+  virtual std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
+                                              const std::string& request);
+  // Notes that the external step `step` is about to be called (Progress::pending), only if
+  // `token` is current. Returns false, changing nothing, if it is not.
+  virtual bool mark_pending(const KeyId& id, std::int64_t token, const std::string& step);
+  // In one transaction: checks `token` is current, runs step.local, appends step.result to
+  // the progress, makes it the recovery point and clears `pending`. Returns false, changing
+  // nothing and running nothing, if `token` is not current (a zombie). Messages step.local
+  // enqueued get ids from (id, origin, step, n).
+  virtual bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                           const StepCommit& step);
+  // Up to `limit` operations with a stored request, left mid-way: in_progress with a lease
+  // that ended before `idle_before`, or released with progress at or before `idle_before` and
+  // still kept at `now`.
+  virtual std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now,
+                                                    std::size_t limit);
+  // Claims up to `limit` messages due at `now` for delivery: they are not due again before
+  // `claim_until` (another dispatcher skips them meanwhile). Oldest first.
+  virtual std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
+                                                  std::size_t limit);
+  // Marks a message delivered at `now`. Returns false if it was not pending.
+  virtual bool outbox_delivered(const std::string& id, TimePoint now);
+  // Counts a failed delivery: due again at `retry_at`, or parked for good if `park`.
+  virtual void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                             const std::string& why);
+  virtual OutboxCounts outbox_counts();
+  // Deletes up to `limit` messages delivered before `delivered_before`. Returns how many.
+  virtual std::size_t purge_outbox(TimePoint delivered_before, std::size_t limit);
+
   // Deletes up to `limit` records that no longer count (completed past expires_at, or
   // released) in one short transaction. Returns how many it deleted.
   virtual std::size_t purge_expired(TimePoint now, std::size_t limit) = 0;
 
   // Deletes up to `limit` in_progress records whose lease ended before `lease_ended_before`
-  // and returns them.
+  // and returns them. Records with Progress are left to the completer: money may have moved.
   virtual std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) = 0;
 };
 

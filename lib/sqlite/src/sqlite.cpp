@@ -108,6 +108,11 @@ void Statement::bind(int index, std::int64_t value) {
   if (rc != SQLITE_OK) throw_error(db_, rc, "bind int");
 }
 
+void Statement::bind(int index, double value) {
+  const int rc = sqlite3_bind_double(stmt_.get(), index, value);
+  if (rc != SQLITE_OK) throw_error(db_, rc, "bind double");
+}
+
 void Statement::bind_blob(int index, const void* data, std::size_t size) {
   const int rc = sqlite3_bind_blob64(stmt_.get(), index, data, size, SQLITE_STATIC);
   if (rc != SQLITE_OK) throw_error(db_, rc, "bind blob");
@@ -131,6 +136,25 @@ void Statement::reset() noexcept {
 }
 
 int Statement::changes() const noexcept { return sqlite3_changes(db_); }
+
+int Statement::column_count() const noexcept { return sqlite3_column_count(stmt_.get()); }
+
+Statement::Type Statement::type(int column) const {
+  switch (sqlite3_column_type(stmt_.get(), column)) {
+    case SQLITE_INTEGER:
+      return Type::integer;
+    case SQLITE_FLOAT:
+      return Type::real;
+    case SQLITE_TEXT:
+      return Type::text;
+    case SQLITE_BLOB:
+      return Type::blob;
+    default:
+      return Type::null;
+  }
+}
+
+double Statement::real(int column) const { return sqlite3_column_double(stmt_.get(), column); }
 
 bool Statement::is_null(int column) const {
   return sqlite3_column_type(stmt_.get(), column) == SQLITE_NULL;

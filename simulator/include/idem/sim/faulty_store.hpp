@@ -19,6 +19,8 @@ enum class Operation : unsigned {
   store_if_absent,
   purge,
   reap,
+  steps,   // begin_steps, mark_pending, commit_step, abandoned: a multi-step operation's writes
+  outbox,  // every outbox operation
 };
 
 // Wraps a real Store and makes chosen operations fail with StoreError, the way a disk that
@@ -32,8 +34,8 @@ class FaultyStore final : public StoreWrapper {
   using StoreWrapper::StoreWrapper;
 
   // Makes `op` fail (or work again). The StoreError carries the SQLite code a real outage
-  // of that kind would: SQLITE_IOERR_READ for load, SQLITE_FULL for complete and
-  // store_if_absent, SQLITE_IOERR_WRITE for the rest.
+  // of that kind would: SQLITE_IOERR_READ for load, SQLITE_FULL for complete,
+  // store_if_absent and steps, SQLITE_IOERR_WRITE for the rest.
   void fail(Operation op, bool on = true) noexcept;
   bool failing(Operation op) const noexcept;
   // Every operation at once: the store is unreachable.
@@ -53,6 +55,20 @@ class FaultyStore final : public StoreWrapper {
   // Ops whose operation is failing get the error; the rest go to the wrapped store's apply()
   // together (its group commit).
   void apply(std::span<StoreOp* const> ops) override;
+  std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
+                                      const std::string& request) override;
+  bool mark_pending(const KeyId& id, std::int64_t token, const std::string& step) override;
+  bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                   const StepCommit& step) override;
+  std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now,
+                                            std::size_t limit) override;
+  std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
+                                          std::size_t limit) override;
+  bool outbox_delivered(const std::string& id, TimePoint now) override;
+  void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                     const std::string& why) override;
+  OutboxCounts outbox_counts() override;
+  std::size_t purge_outbox(TimePoint delivered_before, std::size_t limit) override;
   std::size_t purge_expired(TimePoint now, std::size_t limit) override;
   std::vector<ReapedRecord> reap(TimePoint before, std::size_t limit) override;
 

@@ -42,6 +42,9 @@ enum class Fault {
   timeout,  // after the latency, throws ProviderTimeout; no charge is made
   decline,  // after the latency, returns a decline (insufficient funds); no charge is made
   crash,    // the charge is made and recorded, then ProviderOptions::crash runs
+  // The unknown outcome: the charge is made and recorded as a normal one (same ids, same
+  // dedup), then the answer is lost and ProviderTimeout is thrown.
+  charged_then_timeout,
 };
 
 // An infrastructure failure: the provider did not answer in time. Not an outcome.
@@ -85,9 +88,10 @@ class Provider {
   Provider& operator=(const Provider&) = delete;
 
   // Blocks the calling thread for the latency (on the clock), then charges: start(), a
-  // sleep until its due time, finish(). Throws ProviderTimeout for an injected timeout;
-  // runs ProviderOptions::crash after recording the charge for an injected crash; throws
-  // StoreError if the ledger cannot be written.
+  // sleep until its due time, finish(). Throws ProviderTimeout for an injected timeout
+  // (nothing charged) or charged_then_timeout (charged); runs ProviderOptions::crash after
+  // recording the charge for an injected crash; throws StoreError if the ledger cannot be
+  // written.
   ChargeResult charge(const std::string& order_id, std::int64_t amount,
                       const std::string& idempotency_key);
 
@@ -106,6 +110,11 @@ class Provider {
   // At most `limit` charges made after charge "ch_<after>" (0: from the first), in order.
   std::vector<Charge> charges_after(std::int64_t after, std::size_t limit) const;
   std::vector<std::string> charge_ids() const;
+  // The charge made with `idempotency_key` (the first, if dedup is off and several were),
+  // or nullopt if none was ('' never matches). Reads the ledger, so sees the charges of
+  // every process sharing it; takes no latency and consumes no injected fault. Throws
+  // StoreError if the ledger cannot be read.
+  std::optional<Charge> find(const std::string& idempotency_key) const;
 
   // Called with a line for each charge made or refused (for timelines).
   void on_event(std::function<void(TimePoint, const std::string&)> sink);

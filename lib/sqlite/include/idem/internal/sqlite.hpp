@@ -64,6 +64,7 @@ class Statement {
 
   void bind(int index, std::string_view text);  // not copied: must outlive the step
   void bind(int index, std::int64_t value);
+  void bind(int index, double value);
   void bind_blob(int index, const void* data, std::size_t size);  // not copied either
   void bind_null(int index);
 
@@ -74,7 +75,11 @@ class Statement {
   // Rows changed by the last INSERT, UPDATE or DELETE on this statement's connection.
   int changes() const noexcept;
 
+  enum class Type { integer, real, text, blob, null };
+  int column_count() const noexcept;
+  Type type(int column) const;
   bool is_null(int column) const;
+  double real(int column) const;
   std::int64_t int64(int column) const;
   std::string text(int column) const;
   std::string blob(int column) const;

@@ -1,0 +1,40 @@
+// Every SQL statement of the demo's checkout (seed 000's orders table: the application's
+// own data, in the same database file as idem's keys).
+#pragma once
+
+#include <string_view>
+
+namespace idem::demo::sql {
+
+// One order per tenant and order_id: the business key. The order step inserts ignoring
+// the conflict, as the seed does, so a second operation for the same order (a retry with a
+// new key, a kill between the insert and the completion) never makes a second row.
+inline constexpr std::string_view kOrdersSchema = R"sql(
+CREATE TABLE IF NOT EXISTS demo_orders (
+  seq        INTEGER PRIMARY KEY AUTOINCREMENT,
+  tenant     TEXT    NOT NULL,
+  order_id   TEXT    NOT NULL,
+  charge_id  TEXT    NOT NULL,
+  body       TEXT    NOT NULL,
+  created_at INTEGER NOT NULL,
+  UNIQUE (tenant, order_id)
+);
+)sql";
+
+// ?1 tenant ?2 order_id ?3 charge_id ?4 body (JSON) ?5 created_at (epoch ms)
+inline constexpr std::string_view kInsertOrder = R"sql(
+INSERT INTO demo_orders (tenant, order_id, charge_id, body, created_at)
+VALUES (?1, ?2, ?3, ?4, ?5)
+ON CONFLICT (tenant, order_id) DO NOTHING)sql";
+
+// ?1 tenant ?2 order_id
+inline constexpr std::string_view kOrderId =
+    "SELECT 'pay_' || seq FROM demo_orders WHERE tenant = ?1 AND order_id = ?2";
+
+// ?1 seq ?2 tenant: the order's body with its id.
+inline constexpr std::string_view kFindOrder =
+    "SELECT json_set(body, '$.id', 'pay_' || seq) FROM demo_orders WHERE seq = ?1 AND tenant = ?2";
+
+inline constexpr std::string_view kCountOrders = "SELECT count(*) FROM demo_orders";
+
+}  // namespace idem::demo::sql

@@ -1,0 +1,216 @@
+// idem — operations that span several systems (SPEC §7): named steps with recovery points,
+// local steps in the key's own transaction, derived keys, the outbox and the completer.
+//
+//   Outcome out = idem.call_steps(request, [&](Attempt& a) {
+//     const std::string charge = a.external("debited",
+//         [&](const std::string& key) { return provider.charge(amount, key).id; },   // runs once
+//         [&](const std::string& key) { return provider.find(key); });   // after an unknown
+//         outcome
+//     a.local("order_created", [&](LocalTransaction& tx) {     // commits with its recovery point
+//       tx.execute(kInsertOrderIgnoringConflict, {tenant, order_id, charge});
+//       return order_id;
+//     });
+//     a.local("notified", [&](LocalTransaction& tx) {
+//       tx.enqueue("mail", receipt);                             // delivered by a Dispatcher
+//       return std::string("queued");
+//     });
+//     return Response{200, {}, receipt};
+//   });
+//
+// A retry of the same request (same key, same fingerprint) resumes after the last recorded
+// step: a step that is done returns its stored result and does not run again. A step that
+// throws releases the key but keeps the progress (Store::release keeps it for the TTL), so
+// the retry resumes rather than restarts; a process that dies leaves the key reserved, and
+// the next owner takes over with the progress. Operations nobody retries are finished by a
+// Completer (or idem/asio.hpp's Maintenance) from the request stored on the record.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "idem/coordinator.hpp"
+
+namespace idem {
+
+namespace detail {
+class CoordinatorCore;
+}
+
+// One attempt at a multi-step operation: the caller holds the key with token() and runs the
+// steps in order. Not thread-safe: it belongs to the action it was given to.
+//
+// Every step method throws:
+//   LeaseLostError - this attempt's lease was taken over: a zombie's step neither runs its
+//                    local work to commit nor advances the recovery point. Do not retry.
+//   StoreError     - the store failed; nothing of the step was recorded (a local step's
+//                    work rolled back). The action may answer with what it knows (a charge
+//                    id) and fail: the key is released with its progress and a retry
+//                    resumes.
+//   idem::error(errc::invalid_argument) - an empty step name, or a result that is not
+//                    UTF-8 text.
+// and whatever the application's own function threw (the step is not recorded).
+class Attempt {
+ public:
+  Attempt(const Attempt&) = delete;
+  Attempt& operator=(const Attempt&) = delete;
+
+  const KeyId& id() const noexcept { return id_; }
+  std::int64_t token() const noexcept { return token_; }
+  // The operation's origin (Progress::origin): the same on every attempt of this operation.
+  std::int64_t origin() const noexcept { return progress_.origin; }
+  // The request as call_steps stored it (Request::payload of the first attempt).
+  const std::string& request() const noexcept { return progress_.request; }
+  // True when an earlier attempt of this operation recorded progress (a resume).
+  bool resumed() const noexcept { return resumed_; }
+  // The last recorded step, or nullopt before the first.
+  std::optional<std::string> recovery_point() const;
+  const std::vector<StepResult>& steps() const noexcept { return progress_.steps; }
+  // The stored result of `step`, or nullptr if it has not been recorded.
+  const std::string* result(std::string_view step) const noexcept;
+  // The key for a downstream call of `step` (idem::derived_key with the origin): the same on
+  // every attempt and in every process, different per step, never the client's key.
+  std::string derived_key(std::string_view step) const;
+
+  // A local step: runs `work` inside the store's transaction that records `step` as the
+  // recovery point (with work's result), so the application's rows, the messages it queues
+  // (LocalTransaction::enqueue) and the progress commit or roll back together. Returns the
+  // result; a step already recorded returns its stored result without running.
+  using LocalWork = std::function<std::string(LocalTransaction&)>;
+  std::string local(std::string_view step, const LocalWork& work);
+
+  // An external step: `call` runs with derived_key(step) and its result is recorded. The
+  // step is marked pending in the store before `call` runs; if an attempt ends while it is
+  // pending (a timeout, a crash), the outcome is unknown, and the next attempt first asks
+  // `lookup` with the same key: a result found there is recorded (reconciled, counted as
+  // MetricsSnapshot::reconciled) and `call` does not run again; nullopt means the downstream
+  // system never saw it, and `call` runs. Without a lookup the call runs again with the same
+  // derived key, for a downstream system that deduplicates on it.
+  using ExternalCall = std::function<std::string(const std::string& derived_key)>;
+  using Lookup = std::function<std::optional<std::string>(const std::string& derived_key)>;
+  std::string external(std::string_view step, const ExternalCall& call, const Lookup& lookup = {});
+
+  // external() in two halves, for drivers that wait their own way (idem/asio.hpp's
+  // async_external). begin_external says what to do: return `result` (done), look up `key`
+  // first (look_up: then finish_external with reconciled = true, or, if nothing was found,
+  // call with `key`), or call with `key` (call: the step is now marked pending).
+  struct Plan {
+    enum class Kind { done, look_up, call };
+    Kind kind = Kind::call;
+    std::string result;  // done
+    std::string key;     // look_up, call
+  };
+  Plan begin_external(std::string_view step);
+  // Records the external step's result.
+  std::string finish_external(std::string_view step, std::string result, bool reconciled);
+
+ private:
+  friend struct AttemptAccess;
+  Attempt(detail::CoordinatorCore& core, KeyId id, std::int64_t token, Progress progress);
+  // Commits the step (Store::commit_step) and keeps its result; LeaseLostError if refused.
+  std::string record(StepCommit& commit);
+  void check_step(std::string_view step) const;
+  void begin_call(std::string_view step);  // Store::mark_pending, or LeaseLostError
+
+  detail::CoordinatorCore& core_;
+  KeyId id_;
+  std::int64_t token_;
+  Progress progress_;
+  bool resumed_;
+};
+
+// --- The completer ---------------------------------------------------------------------
+
+struct CompleterOptions {
+  // An operation is abandoned once its lease ended (or its last attempt failed) this long
+  // ago and no retry came. Default: 30 s.
+  std::chrono::milliseconds abandoned_after{std::chrono::seconds(30)};
+  // At most this many operations per run. Default: 20.
+  std::size_t batch = 20;
+};
+
+struct CompleterReport {
+  std::size_t found = 0;     // abandoned operations seen
+  std::size_t finished = 0;  // driven to the end (their response is stored and replayed)
+  std::size_t failed = 0;    // a step failed again (released again; retried next run)
+  std::size_t skipped = 0;   // no handler registered, or held by someone else meanwhile
+};
+
+// Finishes multi-step operations abandoned mid-way, from their recovery point, with the
+// request stored on the record, under the same fencing rules as any owner (it reserves the
+// key like a retry of the same request would). Counted (MetricsSnapshot::completer_*) and
+// logged ("completed_abandoned", "complete_abandoned_failed").
+// Thread-safety: run_once() from one thread at a time; on() before the first run.
+class Completer {
+ public:
+  using Resume = std::function<Response(Attempt&)>;
+  explicit Completer(Coordinator& coordinator, CompleterOptions options = {});
+  // The handler that finishes operations of `operation` (usually the action call_steps ran).
+  void on(std::string operation, Resume resume);
+  // One pass: finds up to `batch` abandoned operations and finishes each. Throws StoreError
+  // if the search fails; a failure of one operation is counted and the pass goes on.
+  CompleterReport run_once();
+
+ private:
+  Coordinator& coordinator_;
+  CompleterOptions options_;
+  std::map<std::string, Resume, std::less<>> handlers_;
+};
+
+// --- The outbox ------------------------------------------------------------------------
+
+struct OutboxOptions {
+  // Deliveries tried before a message is parked (kept, counted, no longer tried; an
+  // operator looks at it). Default: 8.
+  int max_attempts = 8;
+  // Backoff after a failed delivery: first_retry, doubling, at most max_retry.
+  std::chrono::milliseconds first_retry{std::chrono::seconds(1)};
+  std::chrono::milliseconds max_retry{std::chrono::minutes(5)};
+  // A claimed message is not handed to another dispatcher for this long (a dispatcher that
+  // dies mid-delivery gives its messages back after it). Default: 30 s.
+  std::chrono::milliseconds claim_for{std::chrono::seconds(30)};
+  // Messages claimed at once. Default: 100.
+  std::size_t batch = 100;
+  // Delivered messages are purged this long after delivery. Default: 24 h.
+  std::chrono::milliseconds keep_delivered{std::chrono::hours(24)};
+};
+
+struct DispatchReport {
+  std::size_t delivered = 0;
+  std::size_t retried = 0;  // failed, due again after the backoff
+  std::size_t parked = 0;   // failed for the max_attempts-th time
+};
+
+// Delivers one message; throws if it was not delivered. The receiver deduplicates on
+// OutboxMessage::id: delivery is at least once (a dispatcher that dies after delivering and
+// before marking delivers again), the effect exactly once.
+using Delivery = std::function<void(const OutboxMessage&)>;
+
+// Delivers the outbox. Never called on a request's path: messages queued by local steps
+// wait in the store until a dispatcher runs (Maintenance runs one on a schedule).
+// Thread-safety: run_once() from one thread at a time; several dispatchers (in one process
+// or several) may run at once, each claiming its own messages.
+class Dispatcher {
+ public:
+  // Throws idem::error(errc::invalid_argument) for a null delivery, max_attempts < 1, a
+  // non-positive first_retry, max_retry below first_retry, a non-positive claim_for or a
+  // batch of 0.
+  Dispatcher(Coordinator& coordinator, Delivery delivery, OutboxOptions options = {});
+  // Claims due messages and delivers them, batch after batch, until none is due. Throws
+  // StoreError if the outbox cannot be read; a failed delivery is counted and retried later.
+  DispatchReport run_once();
+  // Deletes messages delivered longer than keep_delivered ago. Returns how many.
+  std::size_t purge();
+
+ private:
+  Coordinator& coordinator_;
+  Delivery delivery_;
+  OutboxOptions options_;
+};
+
+}  // namespace idem

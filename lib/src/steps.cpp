@@ -1,0 +1,290 @@
+#include "idem/steps.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "attempt.hpp"
+#include "core.hpp"
+
+namespace idem {
+
+// --- Attempt -------------------------------------------------------------------------------
+
+Attempt::Attempt(detail::CoordinatorCore& core, KeyId id, std::int64_t token, Progress progress)
+    : core_(core),
+      id_(std::move(id)),
+      token_(token),
+      progress_(std::move(progress)),
+      resumed_(!progress_.steps.empty() || progress_.pending.has_value()) {}
+
+std::optional<std::string> Attempt::recovery_point() const {
+  if (progress_.steps.empty()) return std::nullopt;
+  return progress_.steps.back().step;
+}
+
+const std::string* Attempt::result(std::string_view step) const noexcept {
+  for (const StepResult& s : progress_.steps) {
+    if (s.step == step) return &s.result;
+  }
+  return nullptr;
+}
+
+std::string Attempt::derived_key(std::string_view step) const {
+  return idem::derived_key(id_, progress_.origin, step);
+}
+
+void Attempt::check_step(std::string_view step) const {
+  detail::check(!step.empty(), "a step needs a name");
+}
+
+std::string Attempt::record(StepCommit& commit) {
+  const std::string_view step = commit.result.step;
+  const bool reconciled = commit.result.reconciled;
+  if (!core_.store->commit_step(id_, token_, progress_.origin, commit)) {
+    detail::bump(core_.counters.lease_lost);
+    core_.log(LogLevel::error, "lease_lost", short_hash(id_), id_.operation, token_,
+              fmt::format("step '{}' refused: the lease was taken over", step));
+    throw LeaseLostError(token_);
+  }
+  detail::bump(core_.counters.steps_recorded);
+  if (reconciled) detail::bump(core_.counters.reconciled);
+  core_.log(
+      reconciled ? LogLevel::warning : LogLevel::debug,
+      reconciled ? "step_reconciled" : "step_recorded", short_hash(id_), id_.operation, token_,
+      reconciled ? fmt::format("step '{}': the unknown outcome was looked up and recorded", step)
+                 : fmt::format("step '{}'", step));
+  progress_.steps.push_back(std::move(commit.result));
+  progress_.pending.reset();
+  return progress_.steps.back().result;
+}
+
+std::string Attempt::local(std::string_view step, const LocalWork& work) {
+  check_step(step);
+  if (const std::string* done = result(step)) return *done;
+  // The store reads commit.result after the work ran in its transaction.
+  StepCommit commit{StepResult{std::string(step), {}, false}, core_.now(), {}};
+  commit.local = [&commit, &work](LocalTransaction& tx) { commit.result.result = work(tx); };
+  return record(commit);
+}
+
+Attempt::Plan Attempt::begin_external(std::string_view step) {
+  check_step(step);
+  if (const std::string* done = result(step)) return Plan{Plan::Kind::done, *done, {}};
+  if (progress_.pending == step) return Plan{Plan::Kind::look_up, {}, derived_key(step)};
+  begin_call(step);
+  return Plan{Plan::Kind::call, {}, derived_key(step)};
+}
+
+void Attempt::begin_call(std::string_view step) {
+  const std::string name(step);
+  if (!core_.store->mark_pending(id_, token_, name)) {
+    detail::bump(core_.counters.lease_lost);
+    core_.log(LogLevel::error, "lease_lost", short_hash(id_), id_.operation, token_,
+              fmt::format("step '{}' not started: the lease was taken over", step));
+    throw LeaseLostError(token_);
+  }
+  progress_.pending = name;
+}
+
+std::string Attempt::finish_external(std::string_view step, std::string result, bool reconciled) {
+  check_step(step);
+  StepCommit commit{StepResult{std::string(step), std::move(result), reconciled}, core_.now(), {}};
+  return record(commit);
+}
+
+std::string Attempt::external(std::string_view step, const ExternalCall& call,
+                              const Lookup& lookup) {
+  Plan plan = begin_external(step);
+  switch (plan.kind) {
+    case Plan::Kind::done:
+      return plan.result;
+    case Plan::Kind::look_up:
+      if (lookup) {
+        if (std::optional<std::string> found = lookup(plan.key))
+          return finish_external(step, std::move(*found), true);
+      }
+      break;  // never happened downstream (or no way to ask): call, pending already noted
+    case Plan::Kind::call:
+      break;
+  }
+  return finish_external(step, call(plan.key), false);
+}
+
+Attempt AttemptAccess::begin(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
+                             const std::string& payload) {
+  std::optional<Progress> progress = core.store->begin_steps(id, token, payload);
+  if (!progress) {
+    detail::bump(core.counters.lease_lost);
+    core.log(LogLevel::error, "lease_lost", short_hash(id), id.operation, token,
+             "begin_steps refused: the lease was taken over");
+    throw LeaseLostError(token);
+  }
+  if (!progress->steps.empty() || progress->pending) {
+    detail::bump(core.counters.resumed);
+    core.log(
+        LogLevel::info, "resumed", short_hash(id), id.operation, token,
+        fmt::format("resuming after '{}'{}",
+                    progress->steps.empty() ? "(no step)" : progress->steps.back().step,
+                    progress->pending ? fmt::format("; step '{}' was in flight", *progress->pending)
+                                      : std::string()));
+  }
+  return Attempt(core, id, token, std::move(*progress));
+}
+
+void AttemptAccess::failed(detail::CoordinatorCore& core, const Attempt& attempt) {
+  if (attempt.progress_.steps.empty() && !attempt.progress_.pending) return;
+  detail::bump(core.counters.interrupted);
+  core.log(LogLevel::warning, "interrupted", short_hash(attempt.id_), attempt.id_.operation,
+           attempt.token_,
+           fmt::format("failed after '{}'; the progress is kept and a retry resumes",
+                       attempt.recovery_point().value_or("(a step in flight)")));
+}
+
+// --- Completer -----------------------------------------------------------------------------
+
+Completer::Completer(Coordinator& coordinator, CompleterOptions options)
+    : coordinator_(coordinator), options_(options) {
+  detail::check(options_.batch > 0, "completer: batch must be at least 1");
+  detail::check(options_.abandoned_after.count() >= 0,
+                "completer: abandoned_after must not be negative");
+}
+
+void Completer::on(std::string operation, Resume resume) {
+  validate_key_part("operation", operation);
+  detail::check(static_cast<bool>(resume), "completer: a handler is required");
+  handlers_[std::move(operation)] = std::move(resume);
+}
+
+Request AttemptAccess::resume_request(const AbandonedOperation& op) {
+  return Request{.tenant = op.id.tenant,
+                 .operation = op.id.operation,
+                 .key = op.id.key,
+                 .fingerprint = op.fingerprint,
+                 .in_flight = InFlight::raise,
+                 .payload = op.request};
+}
+
+void AttemptAccess::resumed(detail::CoordinatorCore& core, CompleterReport& report,
+                            const AbandonedOperation& op, const std::exception_ptr& failure) {
+  if (!failure) {
+    ++report.finished;
+    detail::bump(core.counters.completer_finished);
+    core.log(LogLevel::warning, "completed_abandoned", short_hash(op.id), op.id.operation, 0,
+             "finished an abandoned operation from its recovery point");
+    return;
+  }
+  try {
+    std::rethrow_exception(failure);
+  } catch (const InProgressError&) {
+    ++report.skipped;  // a client's retry (or another completer) holds it now
+  } catch (const KeyReuseError&) {
+    ++report.skipped;
+  } catch (const std::exception& e) {
+    ++report.failed;
+    detail::bump(core.counters.completer_failed);
+    core.log(LogLevel::error, "complete_abandoned_failed", short_hash(op.id), op.id.operation, 0,
+             e.what());
+  } catch (...) {
+    ++report.failed;
+    detail::bump(core.counters.completer_failed);
+    core.log(LogLevel::error, "complete_abandoned_failed", short_hash(op.id), op.id.operation, 0,
+             "unknown error");
+  }
+}
+
+CompleterReport Completer::run_once() {
+  detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator_);
+  CompleterReport report;
+  for (const AbandonedOperation& op :
+       coordinator_.abandoned(options_.abandoned_after, options_.batch)) {
+    ++report.found;
+    const auto handler = handlers_.find(op.id.operation);
+    if (handler == handlers_.end()) {
+      ++report.skipped;
+      continue;
+    }
+    std::exception_ptr failure;
+    try {
+      coordinator_.call_steps(AttemptAccess::resume_request(op), handler->second);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    AttemptAccess::resumed(core, report, op, failure);
+  }
+  return report;
+}
+
+// --- Dispatcher ----------------------------------------------------------------------------
+
+Dispatcher::Dispatcher(Coordinator& coordinator, Delivery delivery, OutboxOptions options)
+    : coordinator_(coordinator), delivery_(std::move(delivery)), options_(options) {
+  detail::check(static_cast<bool>(delivery_), "dispatcher: a delivery function is required");
+  detail::check(options_.max_attempts >= 1, "dispatcher: max_attempts must be at least 1");
+  detail::check(options_.first_retry.count() > 0, "dispatcher: first_retry must be positive");
+  detail::check(options_.max_retry >= options_.first_retry,
+                "dispatcher: max_retry must not be below first_retry");
+  detail::check(options_.claim_for.count() > 0, "dispatcher: claim_for must be positive");
+  detail::check(options_.batch > 0, "dispatcher: batch must be at least 1");
+}
+
+DispatchReport Dispatcher::run_once() {
+  detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator_);
+  Store& store = *core.store;
+  DispatchReport report;
+  for (;;) {
+    const TimePoint now = core.now();
+    const std::vector<OutboxMessage> batch =
+        store.claim_outbox(now, now + options_.claim_for, options_.batch);
+    for (const OutboxMessage& m : batch) {
+      std::string failure;
+      try {
+        delivery_(m);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      } catch (...) {
+        failure = "unknown error";
+      }
+      if (failure.empty()) {
+        store.outbox_delivered(m.id, core.now());
+        ++report.delivered;
+        detail::bump(core.counters.outbox_delivered);
+        continue;
+      }
+      const int attempts = m.attempts + 1;
+      const bool park = attempts >= options_.max_attempts;
+      auto backoff = options_.first_retry;
+      for (int i = 1; i < attempts && backoff < options_.max_retry; ++i) backoff *= 2;
+      backoff = std::min(backoff, options_.max_retry);
+      store.outbox_failed(m.id, core.now() + (park ? std::chrono::milliseconds(0) : backoff), park,
+                          failure);
+      if (park) {
+        ++report.parked;
+        detail::bump(core.counters.outbox_parked);
+        core.log(LogLevel::error, "outbox_parked", "-", m.topic, 0,
+                 fmt::format("message {} parked after {} attempts: {}", m.id, attempts, failure));
+      } else {
+        ++report.retried;
+        detail::bump(core.counters.outbox_retried);
+        core.log(LogLevel::warning, "outbox_retry", "-", m.topic, 0,
+                 fmt::format("message {} not delivered (attempt {}), retry in {} ms: {}", m.id,
+                             attempts, backoff.count(), failure));
+      }
+    }
+    if (batch.size() < options_.batch) return report;
+  }
+}
+
+std::size_t Dispatcher::purge() {
+  detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator_);
+  std::size_t total = 0;
+  for (;;) {
+    const std::size_t n =
+        core.store->purge_outbox(core.now() - options_.keep_delivered, options_.batch);
+    total += n;
+    if (n < options_.batch) return total;
+  }
+}
+
+}  // namespace idem

@@ -1,0 +1,448 @@
+// Multi-step operations (SPEC §7) on the simulated clock: seed 000's checkout (debit, order,
+// mail) crashed at every point, resumed, finished by the completer, fenced against zombies,
+// reconciled after unknown outcomes; the outbox and maintenance. Every test counts the
+// effects themselves: the provider's charges, the orders table's rows, the mail journal.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <utility>  // Boost 1.74's awaitable.hpp needs std::exchange declared first
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/use_future.hpp>
+#include <thread>
+
+#include "checkout.hpp"
+#include "idem/asio.hpp"
+#include "idem/sim/mail.hpp"
+#include "idem/steps.hpp"
+#include "test_support.hpp"
+
+namespace {
+
+using namespace idem;
+using namespace std::chrono_literals;
+using idem::test::RawDb;
+
+// A process dying at a point of the flow: the action stops there, and the store refuses the
+// release (as a dead process never releases), so the key stays reserved until its lease ends.
+struct Crash {
+  std::string point;
+};
+
+const std::vector<std::string> kCrashPoints = {
+    "before debited",      "debited: charged, not recorded",
+    "after debited",       "order_created: inside its transaction",
+    "after order_created", "notified: inside its transaction",
+    "after notified",
+};
+
+Options step_options() {
+  Options o;
+  o.heartbeat = 0ms;  // the tests move the clock past leases on purpose
+  o.lease = 10s;
+  return o;
+}
+
+// Seed 000's world: keys, orders and the outbox in one database; a provider that does NOT
+// deduplicate (so a blind second call would show as a second charge); a mail sender that
+// deduplicates only by message id.
+struct Shop {
+  explicit Shop(Options options = step_options())
+      : world(std::move(options), sim::ProviderOptions{.latency = 0ms, .dedup = false}),
+        mail(world.clock) {
+    demo::create_orders_table(world.db_path);
+  }
+
+  test::World world;
+  sim::MailSender mail;
+  Dispatcher dispatcher{*world.idem, demo::mail_delivery(mail)};
+
+  demo::CheckoutRequest order(std::string order_id = "A-10023") const {
+    return demo::CheckoutRequest{"alpha", std::move(order_id), 4990, "RUB", "buyer@example.com"};
+  }
+  Request request(const std::string& key, const demo::CheckoutRequest& o) const {
+    Request r;
+    r.tenant = o.tenant;
+    r.operation = "checkout";
+    r.key = key;
+    r.fingerprint = Fingerprint::of(nlohmann::json{{"order_id", o.order_id}, {"amount", o.amount}});
+    r.in_flight = InFlight::raise;
+    r.payload = demo::to_payload(o);
+    return r;
+  }
+  Outcome checkout(const std::string& key, const demo::CheckoutRequest& o,
+                   const demo::CrashHook& crash = {}) {
+    return world.idem->call_steps(request(key, o), [&](Attempt& a) {
+      return demo::checkout(a, *world.provider, demo::checkout_from_payload(a.request()), crash);
+    });
+  }
+  // One attempt that dies at `point`.
+  void crash_at(const std::string& key, const demo::CheckoutRequest& o, const std::string& point) {
+    world.faulty->fail(sim::Operation::release);
+    CHECK_THROWS_AS(checkout(key, o,
+                             [&](std::string_view at) {
+                               if (at == point) throw Crash{point};
+                             }),
+                    Crash);
+    world.faulty->fail(sim::Operation::release, false);
+  }
+  std::size_t debits() const { return world.provider->charge_count(); }
+  std::size_t orders() const { return demo::count_orders(world.db_path); }
+  std::size_t mails() const { return mail.count(); }
+  MetricsSnapshot metrics() const { return world.idem->metrics(); }
+};
+
+template <class T>
+T run_coroutine(boost::asio::awaitable<T> a) {
+  boost::asio::io_context io;
+  std::future<T> f = boost::asio::co_spawn(io, std::move(a), boost::asio::use_future);
+  io.run();
+  return f.get();
+}
+
+TEST_CASE("steps: a crash at every point, then a retry: one debit, one order, one mail") {
+  for (const std::string& point : kCrashPoints) {
+    CAPTURE(point);
+    Shop shop;
+    const demo::CheckoutRequest order = shop.order();
+    shop.crash_at("k1", order, point);
+    shop.dispatcher.run_once();      // whatever the dead attempt queued is not delivered twice
+    shop.world.clock->advance(11s);  // the dead owner's lease ends
+    const Outcome retry = shop.checkout("k1", order);
+    CHECK(retry.response.status == 200);
+    CHECK(retry.source == Outcome::Source::executed);
+    shop.dispatcher.run_once();
+    CHECK(shop.debits() == 1);
+    CHECK(shop.orders() == 1);
+    CHECK(shop.mails() == 1);
+    const MetricsSnapshot m = shop.metrics();
+    CHECK(m.taken_over == 1);
+    // Progress recorded before the crash is resumed, not redone; a charge made but not
+    // recorded is looked up, never made again.
+    CHECK(m.resumed == (point == "before debited" ? 0u : 1u));
+    CHECK(m.reconciled == (point == "debited: charged, not recorded" ? 1u : 0u));
+    // A duplicate now replays the stored answer and changes nothing.
+    const Outcome again = shop.checkout("k1", order);
+    CHECK(again.replayed());
+    CHECK(again.response.body == retry.response.body);
+    shop.dispatcher.run_once();
+    CHECK(shop.debits() == 1);
+    CHECK(shop.orders() == 1);
+    CHECK(shop.mails() == 1);
+  }
+}
+
+TEST_CASE("steps: a step that throws releases the key, keeps the progress, and the retry resumes") {
+  Shop shop;
+  const demo::CheckoutRequest order = shop.order();
+  CHECK_THROWS_AS(shop.checkout("k1", order,
+                                [](std::string_view at) {
+                                  if (at == "after order_created") throw std::runtime_error("x");
+                                }),
+                  std::runtime_error);
+  CHECK(shop.metrics().released == 1);
+  CHECK(shop.metrics().interrupted == 1);
+  const std::optional<Record> kept = shop.world.store->load(KeyId{"alpha", "checkout", "k1"});
+  REQUIRE(kept);
+  CHECK(kept->state == State::released);
+  CHECK(kept->recovery_point == std::optional<std::string>("order_created"));
+  // No wait for a lease: the retry resumes at once, after order_created.
+  const Outcome retry = shop.checkout("k1", order);
+  CHECK(retry.response.status == 200);
+  CHECK(shop.metrics().resumed == 1);
+  shop.dispatcher.run_once();
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+  CHECK(shop.mails() == 1);
+  // Another request under this key while the progress is kept is a reuse, not a fresh start.
+  CHECK_THROWS_AS(shop.checkout("k1", shop.order("B-1")), KeyReuseError);
+}
+
+TEST_CASE("steps: a released operation with progress refuses another request under its key") {
+  Shop shop;
+  CHECK_THROWS_AS(shop.checkout("k1", shop.order(),
+                                [](std::string_view at) {
+                                  if (at == "after debited") throw std::runtime_error("x");
+                                }),
+                  std::runtime_error);
+  // Money moved under the first request: a different one must not take the key over.
+  CHECK_THROWS_AS(shop.checkout("k1", shop.order("B-1")), KeyReuseError);
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 0);
+}
+
+TEST_CASE("steps: an unknown outcome is looked up by the derived key, never blindly re-run") {
+  SUBCASE("charged, then timed out: the lookup finds the charge") {
+    Shop shop;
+    shop.world.provider->inject(sim::Fault::charged_then_timeout);
+    CHECK_THROWS_AS(shop.checkout("k1", shop.order()), sim::ProviderTimeout);
+    CHECK(shop.debits() == 1);
+    const Outcome retry = shop.checkout("k1", shop.order());
+    CHECK(retry.response.status == 200);
+    CHECK(shop.debits() == 1);  // the provider does not deduplicate: only the lookup saved it
+    CHECK(shop.metrics().reconciled == 1);
+    CHECK(nlohmann::json::parse(retry.response.body).at("charge_id") ==
+          shop.world.provider->charge_ids().at(0));
+  }
+  SUBCASE("timed out before charging: the lookup finds nothing and the charge is made once") {
+    Shop shop;
+    shop.world.provider->inject(sim::Fault::timeout);
+    CHECK_THROWS_AS(shop.checkout("k1", shop.order()), sim::ProviderTimeout);
+    CHECK(shop.debits() == 0);
+    CHECK(shop.checkout("k1", shop.order()).response.status == 200);
+    CHECK(shop.debits() == 1);
+    CHECK(shop.metrics().reconciled == 0);
+  }
+}
+
+TEST_CASE("steps: the completer finishes an abandoned operation without any client retry") {
+  Shop shop;
+  const demo::CheckoutRequest order = shop.order();
+  shop.crash_at("k1", order, "after debited");
+  Completer completer(*shop.world.idem, CompleterOptions{.abandoned_after = 60s});
+  completer.on("checkout", [&](Attempt& a) {
+    return demo::checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
+  });
+  shop.world.clock->advance(30s);  // the lease ended, but not long enough ago
+  CHECK(completer.run_once().found == 0);
+  shop.world.clock->advance(45s);
+  const CompleterReport report = completer.run_once();
+  CHECK(report.found == 1);
+  CHECK(report.finished == 1);
+  CHECK(shop.metrics().completer_finished == 1);
+  shop.dispatcher.run_once();
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+  CHECK(shop.mails() == 1);
+  // The client's late retry gets the completer's answer.
+  const Outcome late = shop.checkout("k1", order);
+  CHECK(late.replayed());
+  CHECK(late.response.status == 200);
+  CHECK(completer.run_once().found == 0);
+  CHECK(shop.debits() == 1);
+}
+
+TEST_CASE("steps: a zombie can neither advance the recovery point nor commit a local step") {
+  Shop shop;
+  const demo::CheckoutRequest order = shop.order();
+  std::vector<std::string> zombie_points;
+  // The first owner stalls after the debit; meanwhile its lease ends and a retry takes over
+  // and finishes the whole operation.
+  const auto zombie = [&](std::string_view at) {
+    zombie_points.emplace_back(at);
+    if (at != "after debited") return;
+    shop.world.clock->advance(11s);
+    std::thread retry([&] { CHECK(shop.checkout("k1", order).response.status == 200); });
+    retry.join();
+  };
+  CHECK_THROWS_AS(shop.checkout("k1", order, zombie), LeaseLostError);
+  // The zombie's order step was refused before its work ran: it never reached the inside of
+  // its transaction, and the record is the new owner's.
+  CHECK(std::find(zombie_points.begin(), zombie_points.end(),
+                  "order_created: inside its transaction") == zombie_points.end());
+  const std::optional<Record> r = shop.world.store->load(KeyId{"alpha", "checkout", "k1"});
+  REQUIRE(r);
+  CHECK(r->state == State::completed);
+  CHECK(r->recovery_point == std::optional<std::string>("notified"));
+  shop.dispatcher.run_once();
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+  CHECK(shop.mails() == 1);
+  CHECK(shop.metrics().lease_lost >= 1);
+}
+
+TEST_CASE("steps: a zombie's local step rolls back whole when refused") {
+  // Direct on the store: a stale token runs no local work and writes nothing.
+  Shop shop;
+  const KeyId id{"alpha", "checkout", "k1"};
+  const Reservation r = shop.world.store->reserve(
+      id, Fingerprint::of_bytes("x"), shop.world.clock->now(), shop.world.clock->now() + 10s);
+  REQUIRE(shop.world.store->begin_steps(id, r.token, "{}"));
+  bool ran = false;
+  StepCommit stale{StepResult{"order_created", "pay_1", false}, shop.world.clock->now(),
+                   [&](LocalTransaction&) { ran = true; }};
+  CHECK_FALSE(shop.world.store->commit_step(id, r.token - 1, r.token, stale));
+  CHECK_FALSE(ran);
+  // The current token commits the work and the recovery point together; a failure inside
+  // the work rolls both back.
+  StepCommit failing{
+      StepResult{"order_created", "pay_1", false}, shop.world.clock->now(),
+      [&](LocalTransaction& tx) {
+        tx.execute(
+            "INSERT INTO demo_orders (tenant, order_id, charge_id, body, created_at) "
+            "VALUES ('alpha', 'A-1', 'ch_1', '{}', 0)");
+        tx.enqueue("mail", "{}");
+        throw std::runtime_error("disk full in the middle");
+      }};
+  CHECK_THROWS_AS(shop.world.store->commit_step(id, r.token, r.token, failing), std::runtime_error);
+  CHECK(shop.orders() == 0);
+  CHECK(shop.world.store->outbox_counts().pending == 0);
+  CHECK_FALSE(shop.world.store->load(id)->recovery_point);
+}
+
+TEST_CASE("steps: derived keys and message ids are stable, distinct per step and keyless") {
+  const KeyId id{"alpha", "checkout", "client-key-123"};
+  CHECK(derived_key(id, 7, "debited") == derived_key(id, 7, "debited"));
+  CHECK(derived_key(id, 7, "debited") != derived_key(id, 7, "refund"));
+  CHECK(derived_key(id, 7, "debited") != derived_key(id, 8, "debited"));
+  CHECK(derived_key(id, 7, "debited").find("client-key-123") == std::string::npos);
+  CHECK(outbox_message_id(id, 7, "notified", 0) == outbox_message_id(id, 7, "notified", 0));
+  CHECK(outbox_message_id(id, 7, "notified", 0) != outbox_message_id(id, 7, "notified", 1));
+  CHECK(outbox_message_id(id, 7, "notified", 0).find("client-key") == std::string::npos);
+  // Across a crash and a takeover (a new token) the operation keeps its derived key.
+  Shop shop;
+  shop.crash_at("k1", shop.order(), "after debited");
+  const std::string first_key = shop.world.provider->charges().at(0).idempotency_key;
+  shop.world.clock->advance(11s);
+  shop.checkout("k1", shop.order());
+  CHECK(first_key.starts_with("idem_"));
+  CHECK(first_key.ends_with(":debited"));
+  CHECK(first_key.find("k1") == std::string::npos);
+  // The retry (another token) looked the charge up under the same key and found it.
+  CHECK(shop.world.provider->charges().size() == 1);
+  CHECK(shop.world.provider->find(first_key).has_value());
+}
+
+TEST_CASE("steps: a store failure after the debit keeps the key and the retry resumes") {
+  // Never "nothing happened" after money moved: the order step cannot be recorded (disk
+  // full), the attempt fails with what it knows, and the retry finishes it with one charge.
+  Shop shop;
+  const demo::CheckoutRequest order = shop.order();
+  shop.world.faulty->fail(sim::Operation::steps);
+  CHECK_THROWS_AS(shop.checkout("k1", order), StoreError);
+  CHECK(shop.debits() == 0);  // begin_steps failed: nothing ran
+  shop.world.faulty->fail(sim::Operation::steps, false);
+  // Now fail only after the debit is recorded.
+  CHECK_THROWS_AS(shop.checkout("k1", order,
+                                [&](std::string_view at) {
+                                  if (at == "after debited")
+                                    shop.world.faulty->fail(sim::Operation::steps);
+                                }),
+                  StoreError);
+  shop.world.faulty->fail(sim::Operation::steps, false);
+  CHECK(shop.debits() == 1);
+  CHECK(shop.metrics().interrupted == 1);
+  CHECK(shop.checkout("k1", order).response.status == 200);
+  shop.dispatcher.run_once();
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+  CHECK(shop.mails() == 1);
+}
+
+TEST_CASE("steps: call_steps never runs unprotected, even under fail_open") {
+  Options o = step_options();
+  o.on_store_failure = FailureMode::fail_open;
+  Shop shop(o);
+  shop.world.faulty->set_unreachable(true);
+  CHECK_THROWS_AS(shop.checkout("k1", shop.order()), StoreError);
+  shop.world.faulty->set_unreachable(false);
+  CHECK(shop.debits() == 0);
+  CHECK(shop.metrics().ran_unprotected == 0);
+  Request no_key = shop.request("k1", shop.order());
+  no_key.key.reset();
+  CHECK_THROWS_AS(shop.world.idem->call_steps(no_key, [](Attempt&) { return Response{}; }),
+                  InvalidKeyError);
+  Request run = shop.request("k1", shop.order());
+  run.in_flight = InFlight::run;
+  CHECK_THROWS_AS(shop.world.idem->call_steps(run, [](Attempt&) { return Response{}; }), error);
+  CHECK(shop.debits() == 0);
+}
+
+TEST_CASE("outbox: delivered at least once, deduplicated by message id, backoff, parking") {
+  Shop shop;
+  shop.checkout("k1", shop.order());
+  CHECK(shop.world.store->outbox_counts().pending == 1);
+  SUBCASE("delivered, then the mark is lost: delivered again, the journal keeps one") {
+    int tries = 0;
+    Dispatcher lossy(*shop.world.idem, [&](const OutboxMessage& m) {
+      demo::mail_delivery(shop.mail)(m);
+      if (++tries == 1) throw std::runtime_error("connection reset before the answer");
+    });
+    CHECK(lossy.run_once().retried == 1);
+    CHECK(shop.mails() == 1);
+    shop.world.clock->advance(1s);
+    CHECK(lossy.run_once().delivered == 1);
+    CHECK(tries == 2);
+    CHECK(shop.mails() == 1);
+    CHECK(shop.mail.duplicates() == 1);
+  }
+  SUBCASE("failures back off, doubling; a poisoned message is parked after max_attempts") {
+    shop.mail.fail_next(100);
+    Dispatcher d(*shop.world.idem, demo::mail_delivery(shop.mail),
+                 OutboxOptions{.max_attempts = 4, .first_retry = 1s, .max_retry = 3s});
+    CHECK(d.run_once().retried == 1);  // attempt 1; due again in 1 s
+    shop.world.clock->advance(999ms);
+    CHECK(d.run_once().retried == 0);  // not due yet
+    shop.world.clock->advance(1ms);
+    CHECK(d.run_once().retried == 1);  // attempt 2; due in 2 s
+    shop.world.clock->advance(1999ms);
+    CHECK(d.run_once().retried == 0);
+    shop.world.clock->advance(1ms);
+    CHECK(d.run_once().retried == 1);  // attempt 3; due in 3 s (the cap)
+    shop.world.clock->advance(3s);
+    CHECK(d.run_once().parked == 1);  // attempt 4
+    shop.world.clock->advance(1h);
+    const DispatchReport later = d.run_once();
+    CHECK(later.delivered + later.retried + later.parked == 0);
+    CHECK(shop.world.store->outbox_counts().parked == 1);
+    CHECK(shop.metrics().outbox_parked == 1);
+    CHECK(shop.mails() == 0);
+  }
+}
+
+TEST_CASE("maintenance: under a load of new keys the database stays bounded once keys expire") {
+  Options o = step_options();
+  o.ttl = std::chrono::minutes(2);
+  Shop shop(o);
+  Maintenance maintenance(*shop.world.idem, MaintenanceOptions{.outbox = {.keep_delivered = 1min}});
+  maintenance.deliver(demo::mail_delivery(shop.mail));
+  RawDb raw(shop.world.db_path);
+  long long most_rows = 0;
+  for (int minute = 0; minute < 10; ++minute) {
+    for (int i = 0; i < 20; ++i) {
+      const std::string key = fmt::format("m{}-{}", minute, i);
+      shop.checkout(key, shop.order(key));
+    }
+    shop.world.clock->advance(1min);
+    run_coroutine(maintenance.run_once());
+    most_rows = std::max(most_rows, raw.rows());
+    CHECK(shop.world.store->outbox_counts().pending == 0);  // the outbox drains every round
+  }
+  // Two minutes of keys at most (the TTL), however long the load runs.
+  CHECK(most_rows <= 3 * 20);
+  CHECK(raw.scalar("SELECT count(*) FROM idem_outbox") <= 3 * 20);
+  const MaintenanceReport totals = maintenance.totals();
+  CHECK(totals.purged >= 7 * 20);
+  CHECK(totals.outbox.delivered == 200);
+  CHECK(shop.mails() == 200);
+  CHECK(shop.debits() == 200);
+}
+
+TEST_CASE("maintenance: the loop runs the completer and the outbox on the clock until stopped") {
+  Shop shop;
+  shop.crash_at("k1", shop.order(), "after order_created");
+  Maintenance maintenance(*shop.world.idem,
+                          MaintenanceOptions{.completer = {.abandoned_after = 20s}});
+  maintenance.deliver(demo::mail_delivery(shop.mail));
+  maintenance.resume("checkout", [&](Attempt& a) {
+    return demo::async_checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
+  });
+  boost::asio::io_context io;
+  maintenance.start(io.get_executor());
+  io.poll();  // the first round: nothing abandoned yet (the lease is still on)
+  CHECK(maintenance.totals().completer.finished == 0);
+  for (int s = 0; s < 60 && maintenance.totals().outbox.delivered == 0; ++s) {
+    shop.world.clock->advance(1s);
+    io.poll();
+  }
+  CHECK(maintenance.totals().completer.finished == 1);
+  CHECK(maintenance.totals().outbox.delivered == 1);
+  maintenance.stop();
+  io.run();  // the loop ends
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+  CHECK(shop.mails() == 1);
+}
+
+}  // namespace
