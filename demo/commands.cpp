@@ -5,10 +5,13 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "checkout.hpp"
 #include "idem/coordinator.hpp"
 #include "idem/http.hpp"
+#include "idem/sim/mail.hpp"
 #include "idem/sim/provider.hpp"
 #include "idem/sqlite_store.hpp"
+#include "idem/steps.hpp"
 
 namespace idem::demo {
 namespace {
@@ -101,6 +104,74 @@ int run_ledger(const std::string& ledger) {
   }
   std::cout << nlohmann::json{{"count", charges.size()}, {"charges", charges}}.dump() << std::endl;
   return 0;
+}
+
+int run_checkout(const CheckoutArgs& a) {
+  nlohmann::json line;
+  try {
+    auto clock = std::make_shared<SystemClock>();
+    sim::Provider provider(clock, {.latency = std::chrono::milliseconds(a.provider_latency_ms),
+                                   .dedup = a.provider_dedup,
+                                   .ledger_path = a.ledger});
+    const auto lease = std::chrono::milliseconds(a.lease_ms);
+    Options options;
+    options.in_flight = InFlight::wait;
+    options.lease = lease;
+    options.heartbeat = lease / 3;
+    options.max_wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(10),
+                                                           lease + std::chrono::seconds(1));
+    options.clock = clock;
+    Coordinator idem(std::make_shared<SqliteStore>(a.db), options);
+    create_orders_table(a.db);
+
+    const CheckoutRequest order{a.tenant, a.order_id, a.amount, a.currency, "buyer@example.com"};
+    Request req;
+    req.tenant = a.tenant;
+    req.operation = "payment.create";
+    req.key = a.key;
+    req.fingerprint = Fingerprint::of(
+        nlohmann::json{{"amount", a.amount}, {"currency", a.currency}, {"order_id", a.order_id}});
+    req.payload = to_payload(order);
+    const Outcome out = idem.call_steps(req, [&](Attempt& attempt) {
+      return checkout(attempt, provider, checkout_from_payload(attempt.request()));
+    });
+    line["status"] = out.response.status;
+    line["outcome"] = out.replayed() ? "replayed" : "executed";
+    line["body"] = nlohmann::json::parse(out.response.body, nullptr, false);
+    line["resumed"] = idem.metrics().resumed;
+    line["reconciled"] = idem.metrics().reconciled;
+    line["debits"] = provider.charge_count();
+    line["orders"] = count_orders(a.db);
+    std::cout << line.dump() << std::endl;
+    return out.response.status == 200 ? 0 : 1;
+  } catch (const std::exception& e) {
+    line["error"] = e.what();
+    std::cout << line.dump() << std::endl;
+    return 1;
+  }
+}
+
+int run_dispatch(const std::string& db, const std::string& ledger) {
+  try {
+    auto clock = std::make_shared<SystemClock>();
+    sim::MailSender mail(clock, {.journal_path = ledger});
+    Options options;
+    options.clock = clock;
+    Coordinator idem(std::make_shared<SqliteStore>(db), options);
+    Dispatcher dispatcher(idem, mail_delivery(mail));
+    const DispatchReport r = dispatcher.run_once();
+    std::cout << nlohmann::json{{"delivered", r.delivered},
+                                {"retried", r.retried},
+                                {"parked", r.parked},
+                                {"pending", idem.store().outbox_counts().pending},
+                                {"mails", mail.count()}}
+                     .dump()
+              << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    std::cout << nlohmann::json{{"error", e.what()}}.dump() << std::endl;
+    return 1;
+  }
 }
 
 }  // namespace idem::demo

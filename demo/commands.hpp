@@ -28,6 +28,28 @@ struct ChargeArgs {
 // charge id came back, 1 otherwise.
 int run_charge(const ChargeArgs& args);
 
+struct CheckoutArgs {
+  std::string db;      // keys, orders and the outbox (SQLite file)
+  std::string ledger;  // the provider's ledger and the mail journal (SQLite file)
+  std::string key;
+  std::string tenant = "alpha";
+  std::string order_id = "A-10023";
+  long long amount = 4990;
+  std::string currency = "RUB";
+  long long lease_ms = 30000;
+  long long provider_latency_ms = 300;
+  bool provider_dedup = true;
+};
+
+// Seed 000's checkout (debit, order, mail) through Coordinator::call_steps, once, from this
+// process; a duplicate waits out a dead holder's lease and resumes its progress. Prints one
+// JSON line (status, body, debits, orders) and returns 0 on a 200, 1 otherwise.
+int run_checkout(const CheckoutArgs& args);
+
+// Delivers the outbox of `db` to the mail journal in `ledger` once (a one-shot
+// Dispatcher), then prints {"delivered", "retried", "parked", "pending", "mails"}.
+int run_dispatch(const std::string& db, const std::string& ledger);
+
 // Prints the ledger as JSON: {"count": n, "charges": [...]}. Returns the exit code.
 int run_ledger(const std::string& ledger);
 

@@ -46,6 +46,34 @@ int main(int argc, char** argv) {
   charge->add_flag("--crash-after-charge", c.crash_after_charge,
                    "Die right after the provider recorded the charge");
 
+  idem::demo::CheckoutArgs k;
+  std::string checkout_dedup = "on";
+  CLI::App* checkout_cmd = app.add_subcommand(
+      "checkout", "Seed 000's checkout (debit, order, mail) once, resuming what a dead run began");
+  checkout_cmd->add_option("--db", k.db, "Keys, orders and outbox (SQLite file)")->required();
+  checkout_cmd->add_option("--ledger", k.ledger, "Provider ledger and mail journal (SQLite file)")
+      ->required();
+  checkout_cmd->add_option("--key", k.key, "Idempotency key")->required();
+  checkout_cmd->add_option("--tenant", k.tenant, "Tenant")->capture_default_str();
+  checkout_cmd->add_option("--order-id", k.order_id, "Order id")->capture_default_str();
+  checkout_cmd->add_option("--amount", k.amount, "Amount")->capture_default_str();
+  checkout_cmd->add_option("--lease-ms", k.lease_ms, "Lease")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  checkout_cmd->add_option("--provider-latency-ms", k.provider_latency_ms, "Provider latency")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  checkout_cmd
+      ->add_option("--provider-dedup", checkout_dedup, "Provider deduplicates on the derived key")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+
+  std::string dispatch_db, dispatch_ledger;
+  CLI::App* dispatch_cmd =
+      app.add_subcommand("dispatch", "Deliver the outbox once (to the simulated mail sender)");
+  dispatch_cmd->add_option("--db", dispatch_db, "Keys and outbox (SQLite file)")->required();
+  dispatch_cmd->add_option("--ledger", dispatch_ledger, "Mail journal (SQLite file)")->required();
+
   std::string ledger;
   CLI::App* ledger_cmd = app.add_subcommand("ledger", "Print the provider's charges as JSON");
   ledger_cmd->add_option("--ledger", ledger, "Provider ledger (SQLite file)")->required();
@@ -108,6 +136,11 @@ int main(int argc, char** argv) {
       return idem::demo::run_charge(c);
     }
     if (ledger_cmd->parsed()) return idem::demo::run_ledger(ledger);
+    if (checkout_cmd->parsed()) {
+      k.provider_dedup = checkout_dedup == "on";
+      return idem::demo::run_checkout(k);
+    }
+    if (dispatch_cmd->parsed()) return idem::demo::run_dispatch(dispatch_db, dispatch_ledger);
     if (serve->parsed()) {
       serve_options.api.policy =
           serve_policy == "wait" ? idem::InFlight::wait : idem::InFlight::raise;

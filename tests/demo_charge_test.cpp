@@ -7,12 +7,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+#include <signal.h>
+
+#include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "checkout.hpp"
 #include "test_support.hpp"
 
 extern char** environ;
@@ -128,4 +135,60 @@ TEST_CASE("demo charge: bad input is refused with a clear error and nothing is s
   CHECK(ledger_count(dir, ledger) == 0);
   idem::test::RawDb raw(db);
   CHECK(raw.rows() == 0);
+}
+
+TEST_CASE(
+    "demo checkout: 50 processes killed by SIGKILL at random moments, each retried: one debit, "
+    "one order, one mail per key") {
+  // Seed 000's flow across real processes. A provider that does not deduplicate: a retry that
+  // called again blindly would show as a second charge. The kill moment is drawn from a
+  // seeded generator over the run's span (process start, debit, order, mail); what it hits is
+  // counted, never assumed.
+  idem::test::TempDir dir;
+  const std::string db = dir.file("keys.db"), ledger = dir.file("ledger.db");
+  std::mt19937 random(20261130);
+  std::uniform_int_distribution<int> kill_after_us(0, 60000);
+  int killed = 0, reconciled_or_resumed = 0;
+  constexpr int kTrials = 50;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    CAPTURE(trial);
+    const std::vector<std::string> args = {"checkout",
+                                           "--db",
+                                           db,
+                                           "--ledger",
+                                           ledger,
+                                           "--key",
+                                           fmt::format("k{}", trial),
+                                           "--order-id",
+                                           fmt::format("O-{}", trial),
+                                           "--lease-ms",
+                                           "200",
+                                           "--provider-latency-ms",
+                                           "10",
+                                           "--provider-dedup",
+                                           "off"};
+    Run victim = start(dir, "victim", args);
+    std::this_thread::sleep_for(std::chrono::microseconds(kill_after_us(random)));
+    kill(victim.pid, SIGKILL);
+    nlohmann::json line;
+    if (finish(victim, line) == 128 + SIGKILL) ++killed;
+    // The retry waits out the dead process's lease, takes over and resumes.
+    REQUIRE(finish(start(dir, "retry", args), line) == 0);
+    CHECK(line.at("status") == 200);
+    if (line.at("resumed").get<int>() > 0 || line.at("reconciled").get<int>() > 0)
+      ++reconciled_or_resumed;
+    REQUIRE(finish(start(dir, "dispatch", {"dispatch", "--db", db, "--ledger", ledger}), line) ==
+            0);
+  }
+  MESSAGE(killed << " of " << kTrials << " runs were killed mid-way; " << reconciled_or_resumed
+                 << " retries resumed recorded progress or looked up an unknown outcome");
+  CHECK(killed > 0);
+  CHECK(ledger_count(dir, ledger) == kTrials);
+  CHECK(idem::demo::count_orders(db) == static_cast<std::size_t>(kTrials));
+  idem::test::RawDb raw(ledger);
+  CHECK(raw.scalar("SELECT count(*) FROM sim_mail_journal") == kTrials);
+  // One charge per order, one mail per order.
+  CHECK(raw.scalar("SELECT count(DISTINCT order_id) FROM charges") == kTrials);
+  idem::test::RawDb keys(db);
+  CHECK(keys.scalar("SELECT count(*) FROM idem_outbox WHERE state <> 1") == 0);
 }
