@@ -14,10 +14,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for the payments table
-#include "idem/sim/async_provider.hpp"
+#include "checkout.hpp"
+#include "checkout_sql.hpp"
+#include "idem/asio.hpp"
+#include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for the orders table
+#include "idem/sim/mail.hpp"
+#include "idem/sim/provider.hpp"
 #include "idem/sqlite_store.hpp"
-#include "payments_sql.hpp"
 
 namespace idem::demo {
 namespace {
@@ -129,15 +132,20 @@ struct PaymentsApi::Impl {
   ApiOptions options;
   std::shared_ptr<SystemClock> clock = std::make_shared<SystemClock>();
   std::shared_ptr<sim::Provider> provider;
+  std::unique_ptr<sim::MailSender> mail;
   std::unique_ptr<Coordinator> idem;
   std::unique_ptr<http::Layer> layer;
-  // The payments table (the application's own data, beside idem's keys).
+  http::AsyncHandler create_handler;
+  // Reads of the orders table (the application's own data, beside idem's keys; its writes
+  // are the checkout's local steps, in the key's own transactions).
   sqlite::BusyPolicy busy{std::chrono::seconds(5), {}};
   sqlite::Connection db;
-  std::unique_ptr<sqlite::TransactionStatements> tx;
-  std::unique_ptr<sqlite::Statement> insert_payment, name_payment, find_payment;
+  std::unique_ptr<sqlite::Statement> find_order;
   // Operator reads (the whole ledger, page by page) run here, off the io thread.
   net::thread_pool operator_work{1};
+  // Purge, reap, the completer and the outbox, on their own thread.
+  std::unique_ptr<Maintenance> maintenance;
+  net::thread_pool maintenance_work{1};
 
   explicit Impl(ApiOptions o) : options(std::move(o)) {
     if (options.api_keys.empty())
@@ -145,6 +153,8 @@ struct PaymentsApi::Impl {
     provider = std::make_shared<sim::Provider>(
         clock,
         sim::ProviderOptions{.latency = options.provider_latency, .ledger_path = options.ledger});
+    mail =
+        std::make_unique<sim::MailSender>(clock, sim::MailOptions{.journal_path = options.ledger});
     Options idem_options;
     idem_options.in_flight = options.policy;
     idem_options.ttl = options.ttl;
@@ -166,17 +176,29 @@ struct PaymentsApi::Impl {
       if (body.is_discarded()) return invalid_request("the body is not valid JSON");
       return check_payment(body);
     };
+    layer_options.steps = true;
     layer = std::make_unique<http::Layer>(*idem, std::move(layer_options));
+    create_orders_table(options.db);
     db = sqlite::open_connection(options.db, &busy);
-    sqlite::enable_wal(db.get(), busy);
-    sqlite::exec(db.get(), sql::kPaymentsSchema);
-    tx = std::make_unique<sqlite::TransactionStatements>(db.get());
-    name_payment = std::make_unique<sqlite::Statement>(db.get(), sql::kNamePayment);
-    insert_payment = std::make_unique<sqlite::Statement>(db.get(), sql::kInsertPayment);
-    find_payment = std::make_unique<sqlite::Statement>(db.get(), sql::kFindPayment);
+    find_order = std::make_unique<sqlite::Statement>(db.get(), sql::kFindOrder);
+    create_handler = [this](const Request& r, const http::Context& call) {
+      return create(r, call);
+    };
+    maintenance = std::make_unique<Maintenance>(*idem, options.maintenance);
+    maintenance->deliver(mail_delivery(*mail));
+    maintenance->resume("payment.create", [this](Attempt& attempt) {
+      return layer->resume(attempt, create_handler);
+    });
+    maintenance->start(maintenance_work.get_executor());
   }
 
-  ~Impl() { operator_work.join(); }
+  ~Impl() { join(); }
+
+  void join() {
+    maintenance->stop();
+    maintenance_work.join();
+    operator_work.join();
+  }
 
   // The one Authorization field's value; nullopt when absent or sent more than once.
   static std::optional<std::string_view> authorization(const Request& r) {
@@ -206,66 +228,70 @@ struct PaymentsApi::Impl {
     return std::find(from.begin(), from.end(), peer.address) != from.end() && !tenant_of(r);
   }
 
-  // The handler behind the layer: charge with a key derived from the record, then record
-  // the payment. Failures are 5xx replies, which the layer does not store.
+  // The handler behind the layer: seed 000's checkout (debit, order, mail) as steps of the
+  // key's attempt. Failures are 5xx replies, which the layer does not store: the key is
+  // released with its progress, and the retry resumes.
   net::awaitable<Reply> create(const Request& req, const http::Context& call) {
     const json body = json::parse(req.body());  // the layer's check() parsed it already
-    const std::string order_id = body.at("order_id");
-    const long long amount = body.at("amount");
-    sim::ChargeResult r;
+    CheckoutRequest order{call.id.tenant, body.at("order_id"), body.at("amount"),
+                          body.at("currency")};
+    Attempt& attempt = *call.attempt;
+    std::string failure;
+    int status = 0;
     try {
-      r = co_await sim::async_charge(*provider, order_id, amount, derived_key(call.id, "charge"));
+      Response r = co_await async_checkout(attempt, *provider, std::move(order));
+      co_return http::to_reply(r);
     } catch (const sim::ProviderTimeout& e) {
-      co_return problem_reply(
-          504, "provider_unavailable", "Payment provider unavailable",
-          fmt::format("{}; nothing was stored, retry with the same key", e.what()));
-    } catch (const std::exception& e) {
-      co_return problem_reply(502, "provider_unavailable", "Payment failed", e.what());
+      status = 504;
+      failure = fmt::format(
+          "{}; retry with the same key: the charge is looked up before any "
+          "new attempt",
+          e.what());
+    } catch (const StoreError& e) {
+      // Never "nothing happened" after money moved: say what is known.
+      status = 503;
+      const std::string* charge = attempt.result("debited");
+      failure =
+          charge != nullptr
+              ? fmt::format(
+                    "the charge {} was made but recording the payment failed ({}); "
+                    "retry with the same key to finish it, never with a new key",
+                    *charge, e.what())
+              : fmt::format("the store failed before any charge ({}); retry with the same key",
+                            e.what());
     }
-    if (r.declined) {
-      co_return problem_reply(402, "payment_declined", "Payment declined",
-                              fmt::format("the provider declined the charge: {}", r.reason));
+    if (status == 504) {
+      co_return problem_reply(504, "provider_unavailable", "Payment provider unavailable", failure);
     }
-    const json payment = {{"charge_id", r.charge_id},
-                          {"amount", amount},
-                          {"currency", body.at("currency")},
-                          {"order_id", order_id},
-                          {"status", "succeeded"}};
-    // One transaction: the row, then its id ("pay_<seq>") written into its body.
-    sqlite::Transaction payment_tx(*tx);
-    std::int64_t seq = 0;
-    {
-      sqlite::ResetGuard reset(*insert_payment);
-      const std::string text = payment.dump();
-      insert_payment->bind(1, call.id.tenant);
-      insert_payment->bind(2, text);
-      insert_payment->bind(3, static_cast<std::int64_t>(clock->now().time_since_epoch().count()));
-      insert_payment->step();
-      seq = insert_payment->int64(0);
-      insert_payment->step();
-    }
-    sqlite::ResetGuard reset(*name_payment);
-    name_payment->bind(1, seq);
-    name_payment->step();
-    const std::string text = name_payment->text(0);
-    name_payment->step();
-    payment_tx.commit();
-    co_return body_reply(200, text, "application/json");
+    Reply r = problem_reply(503, "store_unavailable", "Payment not recorded", failure);
+    if (const std::string* charge = attempt.result("debited")) r.set("Payment-Charge-Id", *charge);
+    co_return r;
   }
 
   Reply find(std::string_view id, const std::string& tenant) {
     const std::optional<std::int64_t> seq =
         id.starts_with("pay_") ? positive_number(id.substr(4)) : std::nullopt;
-    sqlite::ResetGuard reset(*find_payment);
+    sqlite::ResetGuard reset(*find_order);
     if (seq) {
-      find_payment->bind(1, *seq);
-      find_payment->bind(2, tenant);
+      find_order->bind(1, *seq);
+      find_order->bind(2, tenant);
     }
-    if (!seq || !find_payment->step()) {
+    if (!seq || !find_order->step()) {
       return problem_reply(404, "not_found", "No such payment",
                            "no payment with this id for this API key");
     }
-    return body_reply(200, find_payment->text(0), "application/json");
+    // Re-serialised with sorted keys: the bytes the checkout answered with.
+    return json_reply(200, json::parse(find_order->text(0)));
+  }
+
+  // The mail journal (every tenant's mail): GET /v1/mail, an operator route.
+  Reply mails() {
+    json list = json::array();
+    for (const sim::Mail& m : mail->journal()) {
+      list.push_back(
+          {{"seq", m.seq}, {"message_id", m.message_id}, {"to", m.to}, {"text", m.text}});
+    }
+    return json_reply(200, {{"count", list.size()}, {"mails", list}});
   }
 
   // One page of the provider's statement: ?after=ch_N&limit=1..1000 (default 100). Read on
@@ -309,7 +335,8 @@ PaymentsApi::PaymentsApi(ApiOptions options) : impl_(std::make_unique<Impl>(std:
 PaymentsApi::~PaymentsApi() = default;
 Coordinator& PaymentsApi::coordinator() noexcept { return *impl_->idem; }
 sim::Provider& PaymentsApi::provider() noexcept { return *impl_->provider; }
-void PaymentsApi::join_background() { impl_->operator_work.join(); }
+void PaymentsApi::join_background() { impl_->join(); }
+sim::MailSender& PaymentsApi::mail() noexcept { return *impl_->mail; }
 
 net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
   Impl& d = *impl_;
@@ -325,7 +352,7 @@ net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
       if (!get) co_return method_not_allowed("GET");
       co_return body_reply(200, d.layer->policy(), "application/json");
     }
-    if (path == "/metrics" || path == "/v1/provider/charges") {
+    if (path == "/metrics" || path == "/v1/provider/charges" || path == "/v1/mail") {
       if (!get) co_return method_not_allowed("GET");
       if (!d.operator_may_read(req, peer)) {
         co_return problem_reply(403, "forbidden", "Operator route",
@@ -336,6 +363,7 @@ net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
       if (path == "/metrics") {
         co_return body_reply(200, d.idem->metrics().to_prometheus(), "text/plain; version=0.0.4");
       }
+      if (path == "/v1/mail") co_return d.mails();
       co_return co_await d.charges(target);
     }
     const bool collection = path == "/v1/payments";
@@ -359,11 +387,7 @@ net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
     }
     if (collection) {
       if (req.method() != bh::verb::post) co_return method_not_allowed("POST");
-      // (a named handler: g++ 12 destroys temporaries in a co_await expression twice)
-      const http::AsyncHandler create = [&d](const Request& r, const http::Context& call) {
-        return d.create(r, call);
-      };
-      co_return co_await d.layer->async_handle(req, create);
+      co_return co_await d.layer->async_handle(req, d.create_handler);
     }
     if (!get) co_return method_not_allowed("GET");
     co_return d.find(std::string_view(path).substr(13), *tenant);

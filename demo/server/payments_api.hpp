@@ -11,11 +11,13 @@
 #include <vector>
 
 #include "app.hpp"
+#include "idem/asio.hpp"
 #include "idem/coordinator.hpp"
 
 namespace idem::sim {
+class MailSender;
 class Provider;
-}
+}  // namespace idem::sim
 
 namespace idem::demo {
 
@@ -34,6 +36,9 @@ struct ApiOptions {
   // only requests bearing "Authorization: Bearer <operator_key>".
   std::string operator_key{};
   std::vector<std::string> operator_addresses{"127.0.0.1", "::1"};
+  // Purge, reap, the completer and the outbox dispatcher (to the mail sender, whose journal
+  // is the ledger file, or memory), on their own thread.
+  MaintenanceOptions maintenance{};
 };
 
 // Reads "api_key tenant" lines ('#' starts a comment). Throws std::runtime_error naming the
@@ -54,9 +59,10 @@ class PaymentsApi final : public App {
 
   Coordinator& coordinator() noexcept;
   sim::Provider& provider() noexcept;
+  sim::MailSender& mail() noexcept;
 
-  // Waits for the operator thread's work to finish (the server calls it before its
-  // io_context goes).
+  // Stops the maintenance task and waits for it and the operator thread's work to finish
+  // (the server calls it before its io_context goes).
   void join_background();
 
  private:

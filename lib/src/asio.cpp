@@ -286,8 +286,11 @@ struct Maintenance::Impl {
     }
     Clock& clock = d->coordinator.clock();
     const MaintenanceOptions& o = d->options;
-    TimePoint next_purge = clock.now(), next_reap = next_purge, next_complete = next_purge,
-              next_dispatch = next_purge;
+    // Each job first runs one interval after the start (a process that starts does not
+    // compete with its first requests for the write lock).
+    const TimePoint start = clock.now();
+    TimePoint next_purge = start + o.purge_every, next_reap = start + o.reap_every,
+              next_complete = start + o.complete_every, next_dispatch = start + o.dispatch_every;
     while (!d->stopping.load()) {
       MaintenanceReport report;
       TimePoint now = clock.now();

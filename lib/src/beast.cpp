@@ -3,13 +3,17 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <boost/asio/buffer.hpp>
 #include <boost/beast/core/string.hpp>
 #include <boost/beast/http/field.hpp>
+#include <boost/beast/http/parser.hpp>
+#include <boost/beast/http/write.hpp>
 #include <cctype>
 #include <cmath>
 #include <exception>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <unordered_map>
 
 #include "idem/asio.hpp"
@@ -98,6 +102,37 @@ Reply to_reply(const Response& r) {
 }
 
 Reply to_reply(const error& e) { return to_reply(to_http(e)); }
+
+namespace {
+
+// The request as a multi-step operation stores it for its completer: method, target,
+// Content-Type and body, as an HTTP/1.1 message (Beast writes and parses it). No other field
+// is kept: credentials never reach the store.
+std::string stored_request(const Request& req) {
+  Request kept{req.method(), req.target(), 11};
+  if (const auto it = req.find(boost::beast::http::field::content_type); it != req.end())
+    kept.set(boost::beast::http::field::content_type, it->value());
+  kept.body() = req.body();
+  kept.prepare_payload();
+  std::ostringstream out;
+  out << kept;
+  return out.str();
+}
+
+Request parse_stored_request(const std::string& text) {
+  boost::beast::http::request_parser<boost::beast::http::string_body> parser;
+  parser.eager(true);
+  parser.body_limit(text.size());
+  boost::beast::error_code ec;
+  parser.put(boost::asio::buffer(text), ec);
+  if (ec || !parser.is_done()) {
+    throw std::runtime_error(fmt::format("idem: the stored request does not parse: {}",
+                                         ec ? ec.message() : std::string("incomplete")));
+  }
+  return parser.release();
+}
+
+}  // namespace
 
 struct Layer::Impl {
   Coordinator& coordinator;
@@ -287,16 +322,26 @@ Reply Layer::handle(const Request& request, const Handler& handler) {
   std::optional<Reply> ran;
   std::optional<Outcome> out;
   std::exception_ptr failure;
+  const auto run = [&](const Context& context) {
+    const TimePoint started = d.coordinator.clock().now();
+    try {
+      ran = handler(request, context);
+    } catch (...) {
+      throw HandlerThrew{std::current_exception()};
+    }
+    return d.ran(operation, started, *ran);
+  };
   try {
-    out = d.coordinator.call(std::move(p.call), [&] {
-      const TimePoint started = d.coordinator.clock().now();
-      try {
-        ran = handler(request, p.context);
-      } catch (...) {
-        throw HandlerThrew{std::current_exception()};
-      }
-      return d.ran(operation, started, *ran);
-    });
+    if (d.o.steps) {
+      p.call.payload = stored_request(request);
+      out = d.coordinator.call_steps(std::move(p.call), [&](Attempt& attempt) {
+        Context context = p.context;
+        context.attempt = &attempt;
+        return run(context);
+      });
+    } else {
+      out = d.coordinator.call(std::move(p.call), [&] { return run(p.context); });
+    }
   } catch (...) {
     failure = std::current_exception();
   }
@@ -350,24 +395,50 @@ boost::asio::awaitable<Reply> Layer::async_handle(const Request& request,
   std::optional<Reply> ran;
   std::optional<Outcome> out;
   std::exception_ptr failure;
+  // The handler's run, timed and in its stored form (a coroutine: the context is copied in).
+  const auto run = [&](Context context) -> boost::asio::awaitable<Response> {
+    const TimePoint started = d.coordinator.clock().now();
+    std::exception_ptr threw;
+    try {
+      ran = co_await handler(request, context);
+    } catch (...) {
+      threw = std::current_exception();
+    }
+    if (threw) throw HandlerThrew{threw};
+    co_return d.ran(operation, started, *ran);
+  };
   try {
-    // (a named action: g++ 12 destroys temporaries in a co_await expression twice)
-    AsyncAction action = [&]() -> boost::asio::awaitable<Response> {
-      const TimePoint started = d.coordinator.clock().now();
-      std::exception_ptr threw;
-      try {
-        ran = co_await handler(request, p.context);
-      } catch (...) {
-        threw = std::current_exception();
-      }
-      if (threw) throw HandlerThrew{threw};
-      co_return d.ran(operation, started, *ran);
-    };
-    out = co_await async_call(d.coordinator, std::move(p.call), std::move(action));
+    // (named actions: g++ 12 destroys temporaries in a co_await expression twice)
+    if (d.o.steps) {
+      p.call.payload = stored_request(request);
+      AsyncStepsAction action = [&](Attempt& attempt) {
+        Context context = p.context;
+        context.attempt = &attempt;
+        return run(context);
+      };
+      out = co_await async_call_steps(d.coordinator, std::move(p.call), std::move(action));
+    } else {
+      AsyncAction action = [&] { return run(p.context); };
+      out = co_await async_call(d.coordinator, std::move(p.call), std::move(action));
+    }
   } catch (...) {
     failure = std::current_exception();
   }
   co_return d.conclude(failure, out, ran, operation);
+}
+
+boost::asio::awaitable<Response> Layer::resume(Attempt& attempt, const AsyncHandler& handler) {
+  const Impl& d = *impl_;
+  const Request request = parse_stored_request(attempt.request());
+  const Context context{attempt.id(), true, &attempt};
+  const Reply reply = co_await handler(request, context);
+  try {
+    co_return d.stored_form(reply);
+  } catch (const Unstored&) {
+    throw std::runtime_error(
+        fmt::format("the handler answered {}, not an outcome; the progress stays for the next try",
+                    reply.result_int()));
+  }
 }
 
 }  // namespace idem::http

@@ -145,6 +145,10 @@ INSERT INTO idem_outbox (id, topic, payload, key_hash, state, attempts, next_at,
 VALUES (?1, ?2, ?3, ?4, 0, 0, ?5, ?5)
 ON CONFLICT (id) DO NOTHING)sql";
 
+// ?1 now: whether a message is due (a read, so an idle dispatcher never takes the write lock)
+inline constexpr std::string_view kOutboxAnyDue =
+    "SELECT 1 FROM idem_outbox WHERE state = 0 AND next_at <= ?1 LIMIT 1";
+
 // ?1 now ?2 claimed until ?3 limit
 inline constexpr std::string_view kOutboxClaim = R"sql(
 UPDATE idem_outbox SET next_at = ?2

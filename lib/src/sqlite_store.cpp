@@ -124,7 +124,7 @@ struct SqliteStore::Impl {
       insert_completed, purge, reap;
   // Multi-step operations and the outbox.
   Statement has_progress, load_progress, begin_steps, set_progress, abandoned, outbox_insert,
-      outbox_claim, outbox_delivered, outbox_failed, outbox_counts, outbox_purge;
+      outbox_any_due, outbox_claim, outbox_delivered, outbox_failed, outbox_counts, outbox_purge;
   // The statements local steps ran, by text, prepared once.
   std::map<std::string, std::unique_ptr<Statement>, std::less<>> local_statements;
   std::atomic<std::uint64_t> transactions{0}, committed_ops{0};
@@ -150,6 +150,7 @@ struct SqliteStore::Impl {
         set_progress(db.get(), sql::kSetProgress),
         abandoned(db.get(), sql::kAbandoned),
         outbox_insert(db.get(), sql::kOutboxInsert),
+        outbox_any_due(db.get(), sql::kOutboxAnyDue),
         outbox_claim(db.get(), sql::kOutboxClaim),
         outbox_delivered(db.get(), sql::kOutboxDelivered),
         outbox_failed(db.get(), sql::kOutboxFailed),
@@ -612,6 +613,11 @@ std::vector<OutboxMessage> SqliteStore::claim_outbox(TimePoint now, TimePoint cl
                                                      std::size_t limit) {
   Impl& d = *impl_;
   std::lock_guard lock(d.mutex);
+  {
+    ResetGuard reset(d.outbox_any_due);
+    d.outbox_any_due.bind(1, detail::ms(now));
+    if (!d.outbox_any_due.step()) return {};
+  }
   sqlite::Transaction t(d.tx);
   std::vector<OutboxMessage> out;
   {

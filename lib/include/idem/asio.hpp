@@ -91,9 +91,9 @@ class Maintenance {
 
   // Every job once, now.
   boost::asio::awaitable<MaintenanceReport> run_once();
-  // Runs the jobs at their intervals on `executor` (on the coordinator's clock) until
-  // stop(). The object must outlive the loop: stop(), then let the executor finish (join
-  // its thread) before destroying it.
+  // Runs the jobs at their intervals on `executor` (on the coordinator's clock), each first
+  // one interval after the start, until stop(). The object must outlive the loop: stop(), then let
+  // the executor finish (join its thread) before destroying it.
   void start(const boost::asio::any_io_executor& executor);
   // Ends the loop at its next wake (within the shortest interval).
   void stop() noexcept;

@@ -43,6 +43,7 @@
 
 #include "idem/coordinator.hpp"
 #include "idem/http.hpp"
+#include "idem/steps.hpp"
 
 namespace idem::http {
 
@@ -56,6 +57,9 @@ struct Context {
   // protected: a method the layer passes through, or no key under key_required = false.
   KeyId id;
   bool protected_call = false;
+  // LayerOptions::steps: the multi-step attempt the handler runs its steps on
+  // (idem/steps.hpp); null otherwise.
+  Attempt* attempt = nullptr;
 };
 
 // The two shapes of handler the layer runs. A handler's exception propagates out of the
@@ -125,6 +129,12 @@ struct LayerOptions {
   // The header that marks a replay ("true"); no name is standard yet (Stripe's spelling is
   // the default; some clients expect "Idempotency-Replayed").
   std::string replayed_header{kReplayedHeader};
+  // Runs protected requests as multi-step operations (Coordinator::call_steps): the handler
+  // gets Context::attempt, a 5xx or an exception keeps the progress for the retry, and the
+  // request is stored on the record (method, target, Content-Type and body; never other
+  // fields, so no credentials: take the tenant from Context::id) so that resume() can
+  // finish it without its client. Needs a store with progress (SqliteStore). Default: false.
+  bool steps = false;
 };
 
 // The default storage policy: true for a status below 500 other than 408, 425 and 429.
@@ -152,6 +162,12 @@ class Layer {
   // The same for coroutine handlers (async_call). `request` and `handler` must live until
   // the returned awaitable completes: co_await it at once.
   boost::asio::awaitable<Reply> async_handle(const Request& request, const AsyncHandler& handler);
+
+  // For the completer (Completer, Maintenance::resume) of a layer with steps: runs `handler`
+  // again on the request stored on the record, with Context::attempt, and returns the reply
+  // in its stored form. Throws std::runtime_error if the reply is not an outcome (a 5xx) or
+  // the stored request does not parse, and whatever the handler throws.
+  boost::asio::awaitable<Response> resume(Attempt& attempt, const AsyncHandler& handler);
 
   // The layer's idempotency policy as JSON, for the service to publish (the draft asks every
   // resource to): header, protected methods, whether the key is required, its format,
