@@ -111,6 +111,12 @@ int main(int argc, char** argv) {
   bool no_layer = false;
   serve->add_flag("--no-idempotency", no_layer,
                   "conformance only: serve the routes without idem (a baseline for load tests)");
+  long long serve_ttl_s = 86400;
+  serve
+      ->add_option("--ttl", serve_ttl_s,
+                   "Seconds a key is remembered (at least 60); maintenance purges it after")
+      ->check(CLI::Range(60LL, 10LL * 365 * 86400))
+      ->capture_default_str();
   serve->add_option("--operator-key", serve_options.api.operator_key,
                     "Serve /metrics and /v1/provider/charges only to \"Authorization: Bearer "
                     "KEY\" (default: only to loopback clients)");
@@ -145,6 +151,7 @@ int main(int argc, char** argv) {
       serve_options.api.policy =
           serve_policy == "wait" ? idem::InFlight::wait : idem::InFlight::raise;
       serve_options.api.provider_latency = std::chrono::milliseconds(serve_latency_ms);
+      serve_options.api.ttl = std::chrono::seconds(serve_ttl_s);
       if (!api_keys_file.empty())
         serve_options.api.api_keys = idem::demo::load_api_keys(api_keys_file);
       serve_options.app = serve_app == "conformance" ? idem::demo::AppKind::conformance

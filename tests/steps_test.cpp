@@ -14,8 +14,10 @@
 
 #include "checkout.hpp"
 #include "idem/asio.hpp"
+#include "idem/beast.hpp"
 #include "idem/sim/mail.hpp"
 #include "idem/steps.hpp"
+#include "payments_api.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -443,6 +445,73 @@ TEST_CASE("maintenance: the loop runs the completer and the outbox on the clock 
   CHECK(shop.debits() == 1);
   CHECK(shop.orders() == 1);
   CHECK(shop.mails() == 1);
+}
+
+}  // namespace
+
+namespace {
+
+// One request to the payments API of `idem-demo serve`, handled in this thread.
+http::Reply post_payment(demo::PaymentsApi& api, const std::string& key,
+                         const std::string& order_id) {
+  http::Request req{http::Verb::post, "/v1/payments", 11};
+  req.set("Authorization", "Bearer sk_test_alpha");
+  req.set("Idempotency-Key", key);
+  req.set("Content-Type", "application/json");
+  req.body() = fmt::format(R"({{"amount": 4990, "currency": "RUB", "order_id": "{}"}})", order_id);
+  req.prepare_payload();
+  return run_coroutine(api.handle(std::move(req), demo::Peer{"127.0.0.1"}));
+}
+
+TEST_CASE(
+    "serve's payments API: with a short TTL the database stays bounded, the outbox drains, and "
+    "the completer finishes a payment its client abandoned") {
+  test::TempDir dir;
+  auto clock = std::make_shared<sim::SimulatedClock>();
+  demo::ApiOptions o;
+  o.db = dir.file("api.db");
+  o.provider_latency = 0ms;
+  o.ttl = 2min;
+  o.clock = clock;
+  o.maintenance_loop = false;  // this test runs the rounds itself, on the simulated clock
+  o.maintenance.completer.abandoned_after = 1min;
+  o.maintenance.outbox.keep_delivered = 1min;
+  demo::PaymentsApi api(o);
+  RawDb raw(o.db);
+  long long most_keys = 0, most_outbox = 0;
+  for (int minute = 0; minute < 8; ++minute) {
+    for (int i = 0; i < 25; ++i) {
+      const std::string order = fmt::format("O-{}-{}", minute, i);
+      REQUIRE(post_payment(api, "k-" + order, order).result_int() == 200);
+    }
+    clock->advance(1min);
+    const MaintenanceReport round = run_coroutine(api.maintenance().run_once());
+    CHECK(round.failures == 0);
+    CHECK(api.coordinator().store().outbox_counts().pending == 0);
+    most_keys = std::max(most_keys, raw.rows());
+    most_outbox = std::max(most_outbox, raw.scalar("SELECT count(*) FROM idem_outbox"));
+  }
+  CHECK(most_keys <= 3 * 25);  // the TTL's worth of keys, not the whole run's 200
+  CHECK(most_outbox <= 2 * 25);
+  CHECK(api.mail().count() == 200);
+  CHECK(api.provider().charge_count() == 200);
+
+  // A payment whose provider call timed out (504, key released with its progress) and whose
+  // client never came back: the completer resumes it from the stored request.
+  api.provider().inject(sim::Fault::timeout);
+  const http::Reply first = post_payment(api, "k-abandoned", "O-abandoned");
+  CHECK(first.result_int() == 504);
+  clock->advance(61s);
+  const MaintenanceReport round = run_coroutine(api.maintenance().run_once());
+  CHECK(round.completer.finished == 1);
+  CHECK(api.provider().charge_count() == 201);
+  const http::Reply late = post_payment(api, "k-abandoned", "O-abandoned");
+  CHECK(late.result_int() == 200);
+  CHECK(late["Idempotent-Replayed"] == "true");
+  clock->advance(2s);
+  run_coroutine(api.maintenance().run_once());
+  CHECK(api.mail().count() == 201);
+  CHECK(api.provider().charge_count() == 201);
 }
 
 }  // namespace

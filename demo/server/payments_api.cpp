@@ -130,7 +130,7 @@ std::map<std::string, std::string> load_api_keys(const std::string& path) {
 
 struct PaymentsApi::Impl {
   ApiOptions options;
-  std::shared_ptr<SystemClock> clock = std::make_shared<SystemClock>();
+  std::shared_ptr<Clock> clock;
   std::shared_ptr<sim::Provider> provider;
   std::unique_ptr<sim::MailSender> mail;
   std::unique_ptr<Coordinator> idem;
@@ -147,7 +147,9 @@ struct PaymentsApi::Impl {
   std::unique_ptr<Maintenance> maintenance;
   net::thread_pool maintenance_work{1};
 
-  explicit Impl(ApiOptions o) : options(std::move(o)) {
+  explicit Impl(ApiOptions o)
+      : options(std::move(o)),
+        clock(options.clock ? options.clock : std::make_shared<SystemClock>()) {
     if (options.api_keys.empty())
       options.api_keys = {{"sk_test_alpha", "alpha"}, {"sk_test_beta", "beta"}};
     provider = std::make_shared<sim::Provider>(
@@ -189,7 +191,7 @@ struct PaymentsApi::Impl {
     maintenance->resume("payment.create", [this](Attempt& attempt) {
       return layer->resume(attempt, create_handler);
     });
-    maintenance->start(maintenance_work.get_executor());
+    if (options.maintenance_loop) maintenance->start(maintenance_work.get_executor());
   }
 
   ~Impl() { join(); }
@@ -337,6 +339,7 @@ Coordinator& PaymentsApi::coordinator() noexcept { return *impl_->idem; }
 sim::Provider& PaymentsApi::provider() noexcept { return *impl_->provider; }
 void PaymentsApi::join_background() { impl_->join(); }
 sim::MailSender& PaymentsApi::mail() noexcept { return *impl_->mail; }
+Maintenance& PaymentsApi::maintenance() noexcept { return *impl_->maintenance; }
 
 net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
   Impl& d = *impl_;

@@ -39,6 +39,10 @@ struct ApiOptions {
   // Purge, reap, the completer and the outbox dispatcher (to the mail sender, whose journal
   // is the ledger file, or memory), on their own thread.
   MaintenanceOptions maintenance{};
+  // false: no maintenance loop (a test runs PaymentsApi::maintenance().run_once() itself).
+  bool maintenance_loop = true;
+  // Every time of the API (keys, provider, mail, maintenance). Default: the system clock.
+  std::shared_ptr<Clock> clock{};
 };
 
 // Reads "api_key tenant" lines ('#' starts a comment). Throws std::runtime_error naming the
@@ -60,6 +64,7 @@ class PaymentsApi final : public App {
   Coordinator& coordinator() noexcept;
   sim::Provider& provider() noexcept;
   sim::MailSender& mail() noexcept;
+  Maintenance& maintenance() noexcept;
 
   // Stops the maintenance task and waits for it and the operator thread's work to finish
   // (the server calls it before its io_context goes).
