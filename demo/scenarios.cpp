@@ -10,12 +10,18 @@
 #include <boost/asio/io_context.hpp>
 #include <nlohmann/json.hpp>
 
+#include <stdlib.h>
+#include <filesystem>
+
+#include "checkout.hpp"
 #include "idem/asio.hpp"
 #include "idem/http.hpp"
 #include "idem/sim/async_provider.hpp"
 #include "idem/sim/driver.hpp"
 #include "idem/sim/faulty_store.hpp"
+#include "idem/sim/mail.hpp"
 #include "idem/sqlite_store.hpp"
+#include "idem/steps.hpp"
 
 namespace idem::demo {
 namespace {
@@ -224,6 +230,127 @@ HttpView http_view(InFlight policy, const RunOptions& run) {
   return view;
 }
 
+namespace {
+
+// A directory for one scenario's database file (local steps share the keys' file), removed
+// with everything in it.
+struct ScratchDir {
+  ScratchDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "idem-demo-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::filesystem::path path;
+};
+
+struct Died {};  // the first attempt's process dies here
+
+CheckoutCrash one_checkout_crash(const std::string& point, bool retried, Timeline* timeline) {
+  ScratchDir dir;
+  const std::string db = (dir.path / "shop.db").string();
+  auto clock = std::make_shared<sim::SimulatedClock>();
+  const TimePoint start = clock->now();
+  auto at_ms = [start](TimePoint t) { return (t - start).count(); };
+  auto store = std::make_shared<sim::FaultyStore>(std::make_shared<SqliteStore>(db));
+  // Instant charges (the blocking flow on a simulated clock); no provider deduplication: a
+  // blind second call would show as a second debit.
+  sim::Provider provider(clock, {.latency = 0ms, .dedup = false});
+  sim::MailSender mail(clock);
+  Options options;
+  options.clock = clock;
+  options.lease = 10s;
+  options.heartbeat = 0ms;
+  if (timeline != nullptr) {
+    options.log = [&](const LogEvent& e) {
+      timeline->add(at_ms(e.at), "idem",
+                    fmt::format("{}{}{}", e.event, e.message.empty() ? "" : ": ", e.message));
+    };
+    provider.on_event(
+        [&](TimePoint t, const std::string& line) { timeline->add(at_ms(t), "bank", line); });
+  }
+  Coordinator idem(store, options);
+  create_orders_table(db);
+  Dispatcher dispatcher(idem, [&](const OutboxMessage& m) {
+    mail_delivery(mail)(m);
+    if (timeline != nullptr)
+      timeline->add(at_ms(clock->now()), "mail", "receipt delivered " + m.id);
+  });
+  const CheckoutRequest order{"alpha", "A-10023", 4990, "RUB", "buyer@example.com"};
+  Request request;
+  request.tenant = "alpha";
+  request.operation = "checkout";
+  request.key = "order-A-10023";
+  request.fingerprint = Fingerprint::of(nlohmann::json{{"order_id", "A-10023"}, {"amount", 4990}});
+  request.in_flight = InFlight::raise;
+  request.payload = to_payload(order);
+  auto flow = [&](const CrashHook& crash) {
+    return [&provider, crash](Attempt& a) {
+      return checkout(a, provider, checkout_from_payload(a.request()), crash);
+    };
+  };
+  std::string resumed_from = "-";
+  auto noting = [&](Attempt& a) {
+    if (a.recovery_point()) resumed_from = *a.recovery_point();
+    return flow({})(a);
+  };
+
+  CheckoutCrash row;
+  row.point = point;
+  row.retried = retried;
+  store->fail(sim::Operation::release);  // a dead process releases nothing
+  try {
+    idem.call_steps(request, flow([&](std::string_view at) {
+                      if (at == point) {
+                        if (timeline != nullptr)
+                          timeline->add(at_ms(clock->now()), "shop", "the process dies " + point);
+                        throw Died{};
+                      }
+                    }));
+  } catch (const Died&) {
+  }
+  store->fail(sim::Operation::release, false);
+  dispatcher.run_once();
+  row.debits = provider.charge_count();
+  row.orders = count_orders(db);
+  row.mails = mail.count();
+  clock->advance(retried ? 11s : 45s);
+  if (retried) {
+    if (timeline != nullptr)
+      timeline->add(at_ms(clock->now()), "client", "retries with the same key");
+    idem.call_steps(request, noting);
+  } else {
+    Completer completer(idem, CompleterOptions{.abandoned_after = 30s});
+    completer.on("checkout", noting);
+    if (timeline != nullptr)
+      timeline->add(at_ms(clock->now()), "completer", "looks for abandoned operations");
+    completer.run_once();
+  }
+  dispatcher.run_once();
+  row.end_debits = provider.charge_count();
+  row.end_orders = count_orders(db);
+  row.end_mails = mail.count();
+  row.resumed_from = resumed_from;
+  return row;
+}
+
+}  // namespace
+
+CheckoutCrash checkout_crash(const std::string& point, bool retried, const RunOptions& run) {
+  return one_checkout_crash(point, retried, run.timeline);
+}
+
+std::vector<CheckoutCrash> checkout_crashes() {
+  std::vector<CheckoutCrash> rows;
+  for (const char* point : {"after debited", "after order_created", "after notified"})
+    rows.push_back(checkout_crash(point, true));
+  rows.push_back(checkout_crash("after debited", false));
+  return rows;
+}
+
 std::string render_table(bool real_time, bool with_timeline) {
   std::string out;
   auto put = [&out](const std::string& line) { out += line + '\n'; };
@@ -303,6 +430,26 @@ std::string render_table(bool real_time, bool with_timeline) {
                     v.charges));
     put(fmt::format("    sorted statuses: {}", v.statuses));
     timeline_of(t);
+  }
+
+  put("");
+  put("seed 000: one key covers debit -> order -> mail; the process dies after a step");
+  {
+    const std::pair<const char*, bool> crashes[] = {{"after debited", true},
+                                                    {"after order_created", true},
+                                                    {"after notified", true},
+                                                    {"after debited", false}};
+    for (const auto& [point, retried] : crashes) {
+      Timeline t;
+      const CheckoutCrash c = checkout_crash(point, retried, {false, &t});
+      put(
+          fmt::format("dies {:<19} -> debits={} orders={} mails={}; {:<19} -> debits={} "
+                      "orders={} mails={} (resumed after '{}')",
+                      c.point, c.debits, c.orders, c.mails,
+                      c.retried ? "the client retries" : "no retry, completer", c.end_debits,
+                      c.end_orders, c.end_mails, c.resumed_from));
+      timeline_of(t);
+    }
   }
   return out;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -74,5 +75,19 @@ HttpView http_view(InFlight policy, const RunOptions& run = {});
 
 // The whole table as `idem-demo table` prints it.
 std::string render_table(bool real_time, bool with_timeline);
+
+// Seed 000's checkout (debit -> order -> mail, demo/checkout.hpp) dies at one point; then a
+// retry comes (or, for the last row, none comes and the completer finishes it). Counts of the
+// effects after the death and at the end. Always on the simulated clock.
+struct CheckoutCrash {
+  std::string point;                                          // where the first attempt died
+  bool retried = true;                                        // false: the completer finished it
+  std::size_t debits = 0, orders = 0, mails = 0;              // after the death
+  std::size_t end_debits = 0, end_orders = 0, end_mails = 0;  // after the retry or completer
+  std::string resumed_from;  // the recovery point the second attempt resumed after
+};
+CheckoutCrash checkout_crash(const std::string& point, bool retried, const RunOptions& run = {});
+// The table's four rows: death after each step with a retry, and after the debit without one.
+std::vector<CheckoutCrash> checkout_crashes();
 
 }  // namespace idem::demo

@@ -90,3 +90,22 @@ TEST_CASE("demo: the table holds the article's three lines byte for byte, identi
 TEST_CASE("demo: real-time mode prints the same table as simulated time") {
   CHECK(demo::render_table(true, false) == demo::render_table(false, false));
 }
+
+TEST_CASE("demo: seed 000's checkout dies after each step; the retry or the completer ends 1/1/1") {
+  const std::vector<demo::CheckoutCrash> rows = demo::checkout_crashes();
+  REQUIRE(rows.size() == 4);
+  const char* resumed[] = {"debited", "order_created", "notified", "debited"};
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const demo::CheckoutCrash& c = rows[i];
+    CAPTURE(c.point);
+    CHECK(c.debits == 1);  // the money moved before the death
+    CHECK(c.end_debits == 1);
+    CHECK(c.end_orders == 1);
+    CHECK(c.end_mails == 1);
+    CHECK(c.resumed_from == resumed[i]);
+  }
+  CHECK_FALSE(rows[3].retried);
+  CHECK(demo::render_table(false, false)
+            .find("dies after debited       -> debits=1 orders=0 mails=0; no retry, completer -> "
+                  "debits=1 orders=1 mails=1 (resumed after 'debited')\n") != std::string::npos);
+}
