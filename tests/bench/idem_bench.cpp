@@ -1,7 +1,7 @@
 // scripts/bench: what idem costs, measured against the bare SQLite floor in the same run.
 //
 //   idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...]
-//       sections: calls,sweep,processes,handoff,growth,purge,bytes,http
+//       sections: calls,sweep,processes,handoff,growth,purge,maintenance,bytes,http
 //   idem_bench --child ...                     one process of a multi-process scenario
 //   idem_bench --chart RESULTS.json OUT.svg    the README's chart from a --json run
 #include <utility>  // before Asio (Boost 1.74)
@@ -17,6 +17,7 @@
 #include <atomic>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -35,6 +36,7 @@
 #include "idem/coordinator.hpp"
 #include "idem/internal/sqlite.hpp"
 #include "idem/sqlite_store.hpp"
+#include "idem/steps.hpp"
 
 extern char** environ;
 
@@ -548,6 +550,61 @@ Purge purge_while_serving(const Config& c, std::size_t expired) {
   return p;
 }
 
+// Maintenance on a schedule (purge, reap, completer, outbox) while one caller runs two-step
+// operations (a local step that queues a message, so the dispatcher has work): the longest
+// call while `expired` expired keys are purged, next to the longest call of the same load
+// with no maintenance, measured in the same run.
+struct MaintenanceWait {
+  double max_wait_ms = 0;   // with maintenance running
+  double floor_max_ms = 0;  // the same calls, no maintenance
+  std::size_t calls = 0;
+  std::size_t purged = 0;
+  std::size_t delivered = 0;
+};
+
+MaintenanceWait maintenance_while_serving(const Config& c, std::size_t expired) {
+  auto run = [&](bool with_maintenance, std::size_t& calls, std::size_t& purged,
+                 std::size_t& delivered) {
+    const std::string path = fresh_db(c, with_maintenance ? "maintenance" : "maintenance-floor");
+    bulk_fill(path, expired, now_ms() - 1000, "e");
+    auto idem = make_idem(path, Synchronous::normal);
+    std::atomic<std::size_t> sent{0};
+    Maintenance maintenance(*idem,
+                            MaintenanceOptions{.purge_every = std::chrono::milliseconds(5),
+                                               .reap_every = std::chrono::milliseconds(5),
+                                               .complete_every = std::chrono::milliseconds(5),
+                                               .dispatch_every = std::chrono::milliseconds(5)});
+    maintenance.deliver([&sent](const OutboxMessage&) { ++sent; });
+    boost::asio::thread_pool pool(1);
+    if (with_maintenance) maintenance.start(pool.get_executor());
+    double worst = 0;
+    const auto t0 = Clock::now();
+    for (std::size_t i = 0;; ++i) {
+      if (with_maintenance ? maintenance.totals().purged >= expired && i >= 200 : i >= calls) break;
+      Request r = request_for(key_of(i, "step-"));
+      r.payload = "{}";
+      const auto t = Clock::now();
+      idem->call_steps(r, [](Attempt& a) {
+        a.local("queued", [](LocalTransaction& tx) { return tx.enqueue("mail", "{}"); });
+        return small_response();
+      });
+      worst = std::max(worst, micros_since(t) / 1000);
+      if (with_maintenance) calls = i + 1;
+      if (micros_since(t0) > 120e6) break;  // a bound, whatever happens
+    }
+    maintenance.stop();
+    pool.join();
+    purged = maintenance.totals().purged;
+    delivered = sent.load();
+    return worst;
+  };
+  MaintenanceWait m;
+  std::size_t floor_purged = 0, floor_delivered = 0;
+  m.max_wait_ms = run(true, m.calls, m.purged, m.delivered);
+  m.floor_max_ms = run(false, m.calls, floor_purged, floor_delivered);
+  return m;
+}
+
 // ---- the README's chart, from a --json run ----------------------------------------------------
 
 struct Series {
@@ -817,6 +874,21 @@ int run_all(const Config& c) {
                          {"max_reserve_wait_ms", p.max_reserve_wait_ms}};
   }
 
+  if (c.wants("maintenance")) {
+    const std::size_t expired = c.quick ? 50000 : 300000;
+    const MaintenanceWait m = maintenance_while_serving(c, expired);
+    report.note(fmt::format(
+        "maintenance (purge of {} expired keys, outbox of {} messages, every 5 ms): {} two-step "
+        "calls meanwhile, longest {:.1f} ms; the same calls without maintenance: longest {:.1f} ms",
+        m.purged, m.delivered, m.calls, m.max_wait_ms, m.floor_max_ms));
+    o["maintenance_max_request_wait_ms"] = m.max_wait_ms;
+    o["raw"]["maintenance"] = {{"expired_purged", m.purged},
+                               {"delivered", m.delivered},
+                               {"calls", m.calls},
+                               {"max_request_wait_ms", m.max_wait_ms},
+                               {"floor_max_request_wait_ms", m.floor_max_ms}};
+  }
+
   // 8. Bytes on disk per stored key, with a 200-byte response.
   if (c.wants("bytes")) {
     const std::size_t keys = c.quick ? 20000 : 100000;
@@ -878,7 +950,7 @@ int main(int argc, char** argv) {
       for (std::string name; std::getline(list, name, ',');) c.only.push_back(name);
     } else {
       std::cerr << "usage: idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...]\n"
-                   "sections: calls sweep processes handoff growth purge bytes http\n";
+                   "sections: calls sweep processes handoff growth purge maintenance bytes http\n";
       return 2;
     }
   }
