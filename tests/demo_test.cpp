@@ -91,7 +91,8 @@ TEST_CASE("demo: real-time mode prints the same table as simulated time") {
   CHECK(demo::render_table(true, false) == demo::render_table(false, false));
 }
 
-TEST_CASE("demo: seed 000's checkout dies after each step; the retry or the completer ends 1/1/1") {
+TEST_CASE(
+    "demo: seed 000's checkout dies after each step, and the retry or the completer ends 1/1/1") {
   const std::vector<demo::CheckoutCrash> rows = demo::checkout_crashes();
   REQUIRE(rows.size() == 4);
   const char* resumed[] = {"debited", "order_created", "notified", "debited"};

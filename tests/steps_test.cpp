@@ -174,6 +174,83 @@ TEST_CASE("steps: a released operation with progress refuses another request und
   CHECK(shop.orders() == 0);
 }
 
+TEST_CASE("steps: a crashed operation with progress refuses another request after its lease") {
+  Shop shop;
+  shop.crash_at("k1", shop.order(), "after debited");
+  shop.world.clock->advance(11s);  // the dead owner's lease is over
+  // Another body under the key must not take it over: that would orphan the charge.
+  CHECK_THROWS_AS(shop.checkout("k1", shop.order("B-1")), KeyReuseError);
+  CHECK(shop.checkout("k1", shop.order()).response.status == 200);  // the owner's retry resumes
+  shop.dispatcher.run_once();
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+  CHECK(shop.mails() == 1);
+}
+
+TEST_CASE("steps: an attempt that fails before its first step leaves nothing behind") {
+  Shop shop;
+  CHECK_THROWS_AS(shop.checkout("k1", shop.order(),
+                                [](std::string_view at) {
+                                  if (at == "before debited") throw std::runtime_error("x");
+                                }),
+                  std::runtime_error);
+  CHECK(shop.metrics().interrupted == 0);
+  // Nothing happened, so the key is free for any request, and no completer picks it up.
+  CHECK(shop.world.idem->abandoned(0ms, 10, {"checkout"}).empty());
+  CHECK(shop.checkout("k1", shop.order("B-1")).response.status == 200);
+  CHECK(shop.debits() == 1);
+}
+
+TEST_CASE("steps: failing again never keeps progress past the TTL from the operation's start") {
+  Options o = step_options();
+  o.ttl = 2min;
+  Shop shop(o);
+  const auto fail_after_debit = [](std::string_view at) {
+    if (at == "after debited") throw std::runtime_error("order service down");
+  };
+  CHECK_THROWS_AS(shop.checkout("k1", shop.order(), fail_after_debit), std::runtime_error);
+  for (int i = 0; i < 2; ++i) {  // retries keep failing, 50 s apart, and resume each time
+    shop.world.clock->advance(50s);
+    CHECK_THROWS_AS(shop.checkout("k1", shop.order(), fail_after_debit), std::runtime_error);
+  }
+  CHECK(shop.metrics().resumed == 2);
+  CHECK(shop.debits() == 1);
+  // 125 s after the start, past the 2-minute TTL counted from the start (not from the last
+  // failure, which would keep it until 220 s): the record is purged.
+  shop.world.clock->advance(25s);
+  CHECK(shop.world.idem->purge_expired() == 1);
+}
+
+TEST_CASE("steps: the completer asks only for operations it has handlers for") {
+  Shop shop;
+  // Abandoned operations of another service's operation, older than ours, fill a batch.
+  for (int i = 0; i < 3; ++i) {
+    Request other = shop.request(fmt::format("other-{}", i), shop.order(fmt::format("X-{}", i)));
+    other.operation = "refund";
+    shop.world.faulty->fail(sim::Operation::release);
+    CHECK_THROWS_AS(shop.world.idem->call_steps(other,
+                                                [&](Attempt& a) -> Response {
+                                                  a.local("started", [](LocalTransaction&) {
+                                                    return std::string("x");
+                                                  });
+                                                  throw Crash{"x"};
+                                                }),
+                    Crash);
+    shop.world.faulty->fail(sim::Operation::release, false);
+  }
+  shop.world.clock->advance(1s);
+  shop.crash_at("k1", shop.order(), "after debited");
+  shop.world.clock->advance(2min);
+  Completer completer(*shop.world.idem, CompleterOptions{.abandoned_after = 30s, .batch = 2});
+  completer.on("checkout", [&](Attempt& a) {
+    return demo::checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
+  });
+  const CompleterReport report = completer.run_once();
+  CHECK(report.found == 1);
+  CHECK(report.finished == 1);
+  CHECK(shop.orders() == 1);
+}
+
 TEST_CASE("steps: an unknown outcome is looked up by the derived key, never blindly re-run") {
   SUBCASE("charged, then timed out: the lookup finds the charge") {
     Shop shop;

@@ -220,15 +220,22 @@ struct Maintenance::Impl {
     } catch (const std::exception& e) {
       ++report.failures;
       core().log(LogLevel::error, "maintenance_failed", "-", name, 0, e.what());
+    } catch (...) {
+      ++report.failures;
+      core().log(LogLevel::error, "maintenance_failed", "-", name, 0, "unknown error");
     }
   }
 
   net::awaitable<void> complete(MaintenanceReport& report) {
     std::vector<AbandonedOperation> found;
     guarded("completer", report, [&] {
-      found = coordinator.abandoned(options.completer.abandoned_after, options.completer.batch);
+      std::vector<std::string> operations;
+      for (const auto& [operation, handler] : handlers) operations.push_back(operation);
+      found = coordinator.abandoned(options.completer.abandoned_after, options.completer.batch,
+                                    operations);
     });
     for (const AbandonedOperation& op : found) {
+      if (stopping.load()) break;  // stop() is not held up by a batch of resumes
       ++report.completer.found;
       const auto handler = handlers.find(op.id.operation);
       if (handler == handlers.end()) {

@@ -218,10 +218,12 @@ Outcome Coordinator::call_steps(const Request& request,
 }
 
 std::vector<AbandonedOperation> Coordinator::abandoned(std::chrono::milliseconds idle_for,
-                                                       std::size_t limit) {
+                                                       std::size_t limit,
+                                                       const std::vector<std::string>& operations) {
   detail::check(limit > 0, "abandoned: limit must be at least 1");
+  if (operations.empty()) return {};
   const TimePoint now = core_->now();
-  return core_->store->abandoned(now - idle_for, now, limit);
+  return core_->store->abandoned(now - idle_for, now, limit, operations);
 }
 
 // --- Maintenance and introspection ---------------------------------------------------------

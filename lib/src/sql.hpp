@@ -121,9 +121,10 @@ inline constexpr std::string_view kLoadProgress = R"sql(
 SELECT state, token, progress, request FROM idem_keys
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
 
-// ?4 token ?5 progress (JSON) ?6 request. Starts the progress once; a resume keeps it.
+// ?4 token ?5 request. Stores the request once; a resume keeps it. (progress stays NULL until
+// the first step is recorded or marked pending: NULL means nothing happened yet.)
 inline constexpr std::string_view kBeginSteps = R"sql(
-UPDATE idem_keys SET progress = coalesce(progress, ?5), request = coalesce(request, ?6)
+UPDATE idem_keys SET request = coalesce(request, ?5)
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
 // ?4 token ?5 progress (JSON) ?6 recovery point (or NULL)
@@ -131,11 +132,14 @@ inline constexpr std::string_view kSetProgress = R"sql(
 UPDATE idem_keys SET progress = ?5, recovery_point = coalesce(?6, recovery_point)
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
-// ?1 idle before ?2 now ?3 limit. Uses idem_keys_open (its WHERE terms are repeated).
+// ?1 idle before ?2 now ?3 limit ?4 the operations asked for (a JSON array). Operations that
+// made progress only (one that never began is the reaper's). Uses idem_keys_open (its WHERE
+// terms are repeated).
 inline constexpr std::string_view kAbandoned = R"sql(
 SELECT tenant, operation, key, fingerprint, state, request FROM idem_keys
 WHERE state <> 2 AND request IS NOT NULL AND lease_until < ?1
-  AND (state = 1 OR (progress IS NOT NULL AND expires_at > ?2))
+  AND progress IS NOT NULL AND (state = 1 OR expires_at > ?2)
+  AND operation IN (SELECT value FROM json_each(?4))
 ORDER BY lease_until LIMIT ?3)sql";
 
 // ?1 id ?2 topic ?3 payload ?4 key_hash ?5 now. The same message of a retried step is
@@ -185,11 +189,15 @@ UPDATE idem_keys
 SET state = 2, status = ?5, headers = ?6, body = ?7, body_ref = ?8, expires_at = ?9
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
-// ?4 token ?5 now ?6 until when a record with progress is kept for its retry. lease_until
-// becomes the release time (the completer's "idle since").
+// ?4 token ?5 now ?6 the TTL in ms. A record with progress is kept for its retry until the
+// TTL counted from the operation's origin (a token, which is at least the epoch ms of its
+// reservation), so failing again never extends it. lease_until becomes the release time
+// (the completer's "idle since").
 inline constexpr std::string_view kRelease = R"sql(
 UPDATE idem_keys
-SET state = 3, lease_until = ?5, expires_at = CASE WHEN progress IS NULL THEN ?5 ELSE max(?5, ?6) END
+SET state = 3, lease_until = ?5,
+    expires_at = CASE WHEN progress IS NULL THEN ?5
+                      ELSE max(?5, json_extract(progress, '$.origin') + ?6) END
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
 // ?4 token ?5 lease_until

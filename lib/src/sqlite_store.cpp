@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "fair_mutex.hpp"
@@ -215,12 +216,16 @@ struct SqliteStore::Impl {
       out.existing = std::move(existing);
       return out;
     }
-    // A multi-step operation that failed after making progress keeps its key for its own
-    // retry until the record's expiry: another request with this key is a reuse (money may
-    // have moved under the first).
+    // A multi-step operation that made progress keeps its key for its own retry: after a
+    // crash (in_progress, its lease over) and, once it failed and released, until its
+    // record's expiry. Another request with this key is a reuse: money may have moved under
+    // the first, and taking the key would orphan it.
     const bool progress = record_has_progress(id);
     const bool same = existing->fingerprint == fingerprint;
-    if (progress && existing->state == State::released && now < existing->expires_at && !same) {
+    const bool kept =
+        progress && (existing->state == State::in_progress ||
+                     (existing->state == State::released && now < existing->expires_at));
+    if (kept && !same) {
       out.kind = Reservation::Kind::existing;
       out.existing = std::move(existing);
       return out;
@@ -271,13 +276,14 @@ struct SqliteStore::Impl {
     return changed(s);
   }
 
-  bool release_in_tx(const KeyId& id, std::int64_t token, TimePoint now, TimePoint keep_until) {
+  bool release_in_tx(const KeyId& id, std::int64_t token, TimePoint now,
+                     std::chrono::milliseconds keep_for) {
     Statement& s = release;
     ResetGuard reset(s);
     detail::bind_id(s, id);
     s.bind(4, token);
     s.bind(5, detail::ms(now));
-    s.bind(6, detail::ms(keep_until));
+    s.bind(6, static_cast<std::int64_t>(keep_for.count()));
     return changed(s);
   }
 
@@ -317,7 +323,10 @@ struct SqliteStore::Impl {
         op.applied = complete_in_tx(*op.id, op.token, *op.response, op.expires_at);
         break;
       case StoreOp::Kind::release:
-        op.applied = release_in_tx(*op.id, op.token, op.now, std::max(op.now, op.expires_at));
+        op.applied = release_in_tx(*op.id, op.token, op.now,
+                                   std::max(std::chrono::milliseconds(0),
+                                            std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                op.expires_at - op.now)));
         break;
       case StoreOp::Kind::store_if_absent:
         if (std::optional<Record> winner = store_if_absent_in_tx(
@@ -532,33 +541,35 @@ std::optional<Progress> SqliteStore::begin_steps(const KeyId& id, std::int64_t t
   std::lock_guard lock(d.mutex);
   sqlite::Transaction t(d.tx);
   {
-    Progress begun;
-    begun.origin = token;
-    const std::string fresh = detail::progress_to_json(begun);
     Statement& s = d.begin_steps;
     ResetGuard reset(s);
     detail::bind_id(s, id);
     s.bind(4, token);
-    s.bind(5, fresh);
-    s.bind_blob(6, request.data(), request.size());
+    s.bind_blob(5, request.data(), request.size());
     s.step();
     if (s.changes() != 1) return std::nullopt;
   }
   std::optional<ProgressRow> row = read_progress(d.load_progress, id);
-  if (!row || !row->progress) throw StoreError("sqlite: begin_steps: the progress vanished", 0);
+  if (!row) throw StoreError("sqlite: begin_steps: the record vanished", 0);
   t.commit();
-  return std::move(row->progress);
+  if (row->progress) return std::move(row->progress);
+  Progress fresh;  // nothing happened yet: this attempt is the operation's origin
+  fresh.origin = token;
+  fresh.request = request;
+  return fresh;
 }
 
-bool SqliteStore::mark_pending(const KeyId& id, std::int64_t token, const std::string& step) {
+bool SqliteStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                               const std::string& step) {
   Impl& d = *impl_;
   std::lock_guard lock(d.mutex);
   sqlite::Transaction t(d.tx);
   std::optional<ProgressRow> row = read_progress(d.load_progress, id);
-  if (!row || row->token != token || row->state != State::in_progress || !row->progress)
-    return false;
-  row->progress->pending = step;
-  if (!write_progress(d.set_progress, id, token, *row->progress, nullptr)) return false;
+  if (!row || row->token != token || row->state != State::in_progress) return false;
+  Progress p = row->progress.value_or(Progress{});
+  if (!row->progress) p.origin = origin;
+  p.pending = step;
+  if (!write_progress(d.set_progress, id, token, p, nullptr)) return false;
   t.commit();
   return true;
 }
@@ -569,8 +580,12 @@ bool SqliteStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t 
   std::lock_guard lock(d.mutex);
   sqlite::Transaction t(d.tx);
   std::optional<ProgressRow> row = read_progress(d.load_progress, id);
-  if (!row || row->token != token || row->state != State::in_progress || !row->progress)
-    return false;  // a zombie: nothing of its step runs
+  if (!row || row->token != token || row->state != State::in_progress)
+    return false;        // a zombie: nothing of its step runs
+  if (!row->progress) {  // the operation's first recorded step
+    row->progress.emplace();
+    row->progress->origin = origin;
+  }
   if (step.local) {
     SqliteLocal local(d.db.get(), d.local_statements, d.outbox_insert, id, origin, step.result.step,
                       step.now);
@@ -578,7 +593,7 @@ bool SqliteStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t 
   }
   Progress& p = *row->progress;
   p.steps.push_back(step.result);
-  p.pending.reset();
+  if (p.pending == step.result.step) p.pending.reset();
   if (!write_progress(d.set_progress, id, token, p, &step.result.step))
     throw StoreError("sqlite: commit_step: record changed inside its transaction", 0);
   t.commit();
@@ -586,7 +601,11 @@ bool SqliteStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t 
 }
 
 std::vector<AbandonedOperation> SqliteStore::abandoned(TimePoint idle_before, TimePoint now,
-                                                       std::size_t limit) {
+                                                       std::size_t limit,
+                                                       std::span<const std::string> operations) {
+  nlohmann::json names = nlohmann::json::array();
+  for (const std::string& op : operations) names.push_back(op);
+  const std::string wanted = names.dump();
   Impl& d = *impl_;
   std::lock_guard lock(d.mutex);
   Statement& s = d.abandoned;
@@ -594,6 +613,7 @@ std::vector<AbandonedOperation> SqliteStore::abandoned(TimePoint idle_before, Ti
   s.bind(1, detail::ms(idle_before));
   s.bind(2, detail::ms(now));
   s.bind(3, static_cast<std::int64_t>(limit));
+  s.bind(4, wanted);
   std::vector<AbandonedOperation> out;
   while (s.step()) {
     AbandonedOperation a;

@@ -79,7 +79,7 @@ Attempt::Plan Attempt::begin_external(std::string_view step) {
 
 void Attempt::begin_call(std::string_view step) {
   const std::string name(step);
-  if (!core_.store->mark_pending(id_, token_, name)) {
+  if (!core_.store->mark_pending(id_, token_, progress_.origin, name)) {
     detail::bump(core_.counters.lease_lost);
     core_.log(LogLevel::error, "lease_lost", short_hash(id_), id_.operation, token_,
               fmt::format("step '{}' not started: the lease was taken over", step));
@@ -197,8 +197,10 @@ void AttemptAccess::resumed(detail::CoordinatorCore& core, CompleterReport& repo
 CompleterReport Completer::run_once() {
   detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator_);
   CompleterReport report;
+  std::vector<std::string> operations;
+  for (const auto& [operation, handler] : handlers_) operations.push_back(operation);
   for (const AbandonedOperation& op :
-       coordinator_.abandoned(options_.abandoned_after, options_.batch)) {
+       coordinator_.abandoned(options_.abandoned_after, options_.batch, operations)) {
     ++report.found;
     const auto handler = handlers_.find(op.id.operation);
     if (handler == handlers_.end()) {

@@ -44,9 +44,14 @@ void Store::apply(std::span<StoreOp* const> ops) {
 std::optional<Progress> Store::begin_steps(const KeyId&, std::int64_t, const std::string&) {
   no_steps();
 }
-bool Store::mark_pending(const KeyId&, std::int64_t, const std::string&) { no_steps(); }
+bool Store::mark_pending(const KeyId&, std::int64_t, std::int64_t, const std::string&) {
+  no_steps();
+}
 bool Store::commit_step(const KeyId&, std::int64_t, std::int64_t, const StepCommit&) { no_steps(); }
-std::vector<AbandonedOperation> Store::abandoned(TimePoint, TimePoint, std::size_t) { no_steps(); }
+std::vector<AbandonedOperation> Store::abandoned(TimePoint, TimePoint, std::size_t,
+                                                 std::span<const std::string>) {
+  no_steps();
+}
 std::vector<OutboxMessage> Store::claim_outbox(TimePoint, TimePoint, std::size_t) { no_steps(); }
 bool Store::outbox_delivered(const std::string&, TimePoint) { no_steps(); }
 void Store::outbox_failed(const std::string&, TimePoint, bool, const std::string&) { no_steps(); }

@@ -46,8 +46,9 @@ std::optional<Progress> StoreWrapper::begin_steps(const KeyId& id, std::int64_t 
   return target_->begin_steps(id, token, request);
 }
 
-bool StoreWrapper::mark_pending(const KeyId& id, std::int64_t token, const std::string& step) {
-  return target_->mark_pending(id, token, step);
+bool StoreWrapper::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                                const std::string& step) {
+  return target_->mark_pending(id, token, origin, step);
 }
 
 bool StoreWrapper::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
@@ -56,8 +57,9 @@ bool StoreWrapper::commit_step(const KeyId& id, std::int64_t token, std::int64_t
 }
 
 std::vector<AbandonedOperation> StoreWrapper::abandoned(TimePoint idle_before, TimePoint now,
-                                                        std::size_t limit) {
-  return target_->abandoned(idle_before, now, limit);
+                                                        std::size_t limit,
+                                                        std::span<const std::string> operations) {
+  return target_->abandoned(idle_before, now, limit, operations);
 }
 
 std::vector<OutboxMessage> StoreWrapper::claim_outbox(TimePoint now, TimePoint claim_until,

@@ -118,9 +118,10 @@ std::optional<Progress> FaultyStore::begin_steps(const KeyId& id, std::int64_t t
   return StoreWrapper::begin_steps(id, token, request);
 }
 
-bool FaultyStore::mark_pending(const KeyId& id, std::int64_t token, const std::string& step) {
+bool FaultyStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                               const std::string& step) {
   fail_if(Operation::steps);
-  return StoreWrapper::mark_pending(id, token, step);
+  return StoreWrapper::mark_pending(id, token, origin, step);
 }
 
 bool FaultyStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
@@ -130,9 +131,10 @@ bool FaultyStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t 
 }
 
 std::vector<AbandonedOperation> FaultyStore::abandoned(TimePoint idle_before, TimePoint now,
-                                                       std::size_t limit) {
+                                                       std::size_t limit,
+                                                       std::span<const std::string> operations) {
   fail_if(Operation::steps);
-  return StoreWrapper::abandoned(idle_before, now, limit);
+  return StoreWrapper::abandoned(idle_before, now, limit, operations);
 }
 
 std::vector<OutboxMessage> FaultyStore::claim_outbox(TimePoint now, TimePoint claim_until,

@@ -95,7 +95,8 @@ class Maintenance {
   // one interval after the start, until stop(). The object must outlive the loop: stop(), then let
   // the executor finish (join its thread) before destroying it.
   void start(const boost::asio::any_io_executor& executor);
-  // Ends the loop at its next wake (within the shortest interval).
+  // Wakes the loop and ends it: at once when it sleeps; otherwise once the job it is running
+  // ends (the completer stops between operations, finishing the one it has begun).
   void stop() noexcept;
   // Totals since construction.
   MaintenanceReport totals() const;

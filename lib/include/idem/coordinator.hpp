@@ -102,21 +102,26 @@ class Coordinator {
   // call() for an operation of several steps (idem/steps.hpp): `action` gets an Attempt that
   // runs named steps, records each with its result as the recovery point, and skips the
   // steps an earlier attempt recorded. Differences from call():
-  //  - If `action` throws, the key is released but its progress is kept for the TTL, so a
-  //    retry of the same request resumes (counted as MetricsSnapshot::interrupted once a
-  //    step was recorded); a request with another fingerprint meanwhile is a KeyReuseError.
+  //  - If `action` throws, the key is released but its progress is kept (until the TTL from
+  //    the operation's start), so a retry of the same request resumes (counted as
+  //    MetricsSnapshot::interrupted once a step was recorded or begun). A request with another
+  //    fingerprint meanwhile, or after a crash left the key reserved with progress, is a
+  //    KeyReuseError. An attempt that recorded nothing leaves the key free.
   //  - It never runs unprotected: its progress lives in the store, so a store failure is a
   //    StoreError under either FailureMode, and a missing key is an InvalidKeyError.
   //  - InFlight::run is refused (idem::error(errc::invalid_argument)).
   // Every other rule and error is call()'s. Needs a store with progress (SqliteStore).
   Outcome call_steps(const Request& request, const std::function<Response(Attempt&)>& action);
 
-  // Multi-step operations left mid-way (Store::abandoned): in progress with a lease that
-  // ended, or released after a failed step, longer than `idle_for` ago. At most `limit`.
-  // The Completer resumes them. Throws StoreError.
-  std::vector<AbandonedOperation> abandoned(std::chrono::milliseconds idle_for, std::size_t limit);
+  // Multi-step operations of `operations` left mid-way after making progress
+  // (Store::abandoned): in progress with a lease that ended, or released after a failed step,
+  // longer than `idle_for` ago. At most `limit`, oldest first. The Completer resumes them.
+  // Throws StoreError.
+  std::vector<AbandonedOperation> abandoned(std::chrono::milliseconds idle_for, std::size_t limit,
+                                            const std::vector<std::string>& operations);
 
-  // Deletes completed records past their TTL and released records, in batches of `batch`
+  // Deletes completed records past their TTL and released records (those of a multi-step
+  // operation with progress once their TTL from its origin is over), in batches of `batch`
   // records, each its own short transaction, until a batch comes back short. Reservations
   // whose lease ended are not purged: reap() reports and clears them. Returns how many were
   // deleted (also counted in metrics().purged). Throws StoreError; the batches deleted
@@ -125,7 +130,8 @@ class Coordinator {
   std::size_t purge_expired(std::size_t batch = 100);
 
   // Reports (log event "reaped", counter) and deletes in_progress records whose lease
-  // ended more than Options::reap_after ago, in batches of `batch`. Returns them. Throws
+  // ended more than Options::reap_after ago, in batches of `batch`; a multi-step operation
+  // that made progress is left to the completer (money may have moved). Returns them. Throws
   // StoreError; the batches cleared before the failure stay cleared. Throws
   // idem::error(errc::invalid_argument) if `batch` is 0.
   std::vector<ReapedRecord> reap(std::size_t batch = 100);

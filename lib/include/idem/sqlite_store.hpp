@@ -75,13 +75,14 @@ class SqliteStore final : public Store {
                                         TimePoint expires_at) override;
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
-  bool mark_pending(const KeyId& id, std::int64_t token, const std::string& step) override;
+  bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                    const std::string& step) override;
   // Local steps run their statements on this store's connection inside its transaction;
   // they must not begin, commit or roll back transactions of their own.
   bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                    const StepCommit& step) override;
-  std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now,
-                                            std::size_t limit) override;
+  std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now, std::size_t limit,
+                                            std::span<const std::string> operations) override;
   std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
                                           std::size_t limit) override;
   bool outbox_delivered(const std::string& id, TimePoint now) override;

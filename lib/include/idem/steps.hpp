@@ -19,8 +19,8 @@
 //
 // A retry of the same request (same key, same fingerprint) resumes after the last recorded
 // step: a step that is done returns its stored result and does not run again. A step that
-// throws releases the key but keeps the progress (Store::release keeps it for the TTL), so
-// the retry resumes rather than restarts; a process that dies leaves the key reserved, and
+// throws releases the key but keeps the progress (until the TTL from the operation's start),
+// so the retry resumes rather than restarts; a process that dies leaves the key reserved, and
 // the next owner takes over with the progress. Operations nobody retries are finished by a
 // Completer (or idem/asio.hpp's Maintenance) from the request stored on the record.
 #pragma once

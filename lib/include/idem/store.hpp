@@ -116,7 +116,7 @@ class LocalTransaction {
   // and returns its rows. Throws StoreError (the whole step rolls back).
   virtual std::vector<Row> execute(std::string_view sql,
                                    std::initializer_list<Value> params = {}) = 0;
-  // Rows changed by the last statement execute() ran.
+  // Rows changed by the last INSERT, UPDATE or DELETE that execute() ran.
   virtual std::int64_t changes() const = 0;
   // Queues a message in the outbox, committed with this step and delivered at least once
   // afterwards. Returns its id (outbox_message_id()): the same for this operation, step and
@@ -166,8 +166,9 @@ struct StoreOp {
   const Fingerprint* fingerprint = nullptr;  // reserve, store_if_absent
   TimePoint now{};                           // reserve, release, store_if_absent
   TimePoint lease_until{};                   // reserve
-  TimePoint expires_at{};                    // complete, store_if_absent; release: how long a
-                                             // record with progress is kept for its retry
+  TimePoint expires_at{};                    // complete, store_if_absent; release: now + the
+                                             // TTL, for a record with progress (kept for its
+                                             // retry until the TTL from its origin)
   std::int64_t token = 0;                    // complete, release
   const StoredResponse* response = nullptr;  // complete, store_if_absent
 
@@ -202,8 +203,9 @@ class Store {
                         TimePoint expires_at) = 0;
 
   // in_progress -> released, only if `token` is current. Returns false if it is not. (The
-  // StoreOp form also keeps a record with Progress until StoreOp::expires_at, so the retry
-  // resumes; the single-op form keeps it until `now`.)
+  // StoreOp form keeps a record with Progress for its retry, until the TTL, the difference of
+  // StoreOp::expires_at and now, counted from the operation's origin; the single-op form
+  // keeps it until `now`.)
   virtual bool release(const KeyId& id, std::int64_t token, TimePoint now) = 0;
 
   // Extends the lease of an in_progress record to `lease_until`, only if `token` is current.
@@ -236,25 +238,31 @@ class Store {
   // ---- Multi-step operations. The defaults throw idem::error(errc::invalid_argument): an
   // engine that keeps no progress cannot run them. SqliteStore implements them all.
 
-  // Starts or resumes the progress of the record `token` holds: the first call stores
-  // {origin = token, request}; later ones (a resume) keep what is there. Returns the
-  // progress, or nullopt (changing nothing) if `token` is not current.
+  // Starts or resumes the operation on the record `token` holds: stores `request` the first
+  // time (a resume keeps the stored one) and returns the recorded progress, or, when nothing
+  // was recorded yet, a fresh one with origin = `token` (stored with the first step: a record
+  // without progress is one where nothing happened). Returns nullopt, changing nothing, if
+  // `token` is not current.
   virtual std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                               const std::string& request);
-  // Notes that the external step `step` is about to be called (Progress::pending), only if
-  // `token` is current. Returns false, changing nothing, if it is not.
-  virtual bool mark_pending(const KeyId& id, std::int64_t token, const std::string& step);
+  // Notes that the external step `step` is about to be called (Progress::pending; the
+  // progress starts with `origin` if there was none), only if `token` is current. Returns
+  // false, changing nothing, if it is not.
+  virtual bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                            const std::string& step);
   // In one transaction: checks `token` is current, runs step.local, appends step.result to
-  // the progress, makes it the recovery point and clears `pending`. Returns false, changing
-  // nothing and running nothing, if `token` is not current (a zombie). Messages step.local
-  // enqueued get ids from (id, origin, step, n).
+  // the progress (started with `origin` if there was none), makes it the recovery point and
+  // clears `pending` if it named this step. Returns false, changing nothing and running
+  // nothing, if `token` is not current (a zombie). Messages step.local enqueued get ids from
+  // (id, origin, step, n).
   virtual bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                            const StepCommit& step);
-  // Up to `limit` operations with a stored request, left mid-way: in_progress with a lease
-  // that ended before `idle_before`, or released with progress at or before `idle_before` and
-  // still kept at `now`.
+  // Up to `limit` operations of `operations` with a stored request and progress, left
+  // mid-way: in_progress with a lease that ended before `idle_before`, or released before
+  // `idle_before` and still kept at `now`. Oldest first.
   virtual std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now,
-                                                    std::size_t limit);
+                                                    std::size_t limit,
+                                                    std::span<const std::string> operations);
   // Claims up to `limit` messages due at `now` for delivery: they are not due again before
   // `claim_until` (another dispatcher skips them meanwhile). Oldest first.
   virtual std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,

@@ -35,11 +35,12 @@ class StoreWrapper : public Store {
   void apply(std::span<StoreOp* const> ops) override;
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
-  bool mark_pending(const KeyId& id, std::int64_t token, const std::string& step) override;
+  bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                    const std::string& step) override;
   bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                    const StepCommit& step) override;
-  std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now,
-                                            std::size_t limit) override;
+  std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now, std::size_t limit,
+                                            std::span<const std::string> operations) override;
   std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
                                           std::size_t limit) override;
   bool outbox_delivered(const std::string& id, TimePoint now) override;
