@@ -22,6 +22,20 @@ InFlight policy_of(const std::string& name) {
   return InFlight::wait;
 }
 
+// The options of a one-shot process: its lease, a heartbeat at a third of it, and a wait
+// long enough for a duplicate to outlast a crashed holder's lease.
+Options process_options(long long lease_ms, InFlight policy, std::shared_ptr<Clock> clock) {
+  const auto lease = std::chrono::milliseconds(lease_ms);
+  Options options;
+  options.in_flight = policy;
+  options.lease = lease;
+  options.heartbeat = lease / 3;
+  options.max_wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(10),
+                                                         lease + std::chrono::seconds(1));
+  options.clock = std::move(clock);
+  return options;
+}
+
 }  // namespace
 
 int run_charge(const ChargeArgs& a) {
@@ -33,16 +47,8 @@ int run_charge(const ChargeArgs& a) {
                                    .ledger_path = a.ledger});
     if (a.crash_after_charge) provider.inject(sim::Fault::crash);
 
-    const auto lease = std::chrono::milliseconds(a.lease_ms);
-    Options options;
-    options.in_flight = policy_of(a.policy);
-    options.lease = lease;
-    options.heartbeat = lease / 3;
-    // A duplicate waits out a crashed holder's lease before it gives up.
-    options.max_wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(10),
-                                                           lease + std::chrono::seconds(1));
+    Options options = process_options(a.lease_ms, policy_of(a.policy), clock);
     options.on_store_failure = a.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
-    options.clock = clock;
     Coordinator idem(std::make_shared<SqliteStore>(a.db), options);
 
     const nlohmann::json body = {
@@ -113,14 +119,7 @@ int run_checkout(const CheckoutArgs& a) {
     sim::Provider provider(clock, {.latency = std::chrono::milliseconds(a.provider_latency_ms),
                                    .dedup = a.provider_dedup,
                                    .ledger_path = a.ledger});
-    const auto lease = std::chrono::milliseconds(a.lease_ms);
-    Options options;
-    options.in_flight = InFlight::wait;
-    options.lease = lease;
-    options.heartbeat = lease / 3;
-    options.max_wait = std::max<std::chrono::milliseconds>(std::chrono::seconds(10),
-                                                           lease + std::chrono::seconds(1));
-    options.clock = clock;
+    const Options options = process_options(a.lease_ms, InFlight::wait, clock);
     Coordinator idem(std::make_shared<SqliteStore>(a.db), options);
     create_orders_table(a.db);
 
