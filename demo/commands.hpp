@@ -3,6 +3,8 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace idem::demo {
@@ -49,6 +51,21 @@ int run_checkout(const CheckoutArgs& args);
 // Delivers the outbox of `db` to the mail journal in `ledger` once (a one-shot
 // Dispatcher), then prints {"delivered", "retried", "parked", "pending", "mails"}.
 int run_dispatch(const std::string& db, const std::string& ledger);
+
+struct SimulateArgs {
+  std::uint64_t seed = 1;
+  std::uint64_t scenarios = 1;
+  std::size_t steps = 0;  // requests per scenario; 0: drawn from each seed
+  double minutes = 0;     // > 0: run fresh seeds for this long instead of `scenarios`
+  bool trace = false;     // print every scenario's trace, not only failures'
+  std::string mutation;   // a test_control switch to turn on (breaks idem on purpose)
+  std::string svg;        // write the (first failing, else first) scenario's timeline here
+};
+
+// Runs seeded whole-system scenarios (idem/sim/simulation.hpp) and prints each failure (seed,
+// shrunk plan, violations, trace) and a summary: scenarios, failures, scenarios per CPU
+// second, the average scenario's size. Returns 0 when every scenario held, 1 otherwise.
+int run_simulate(const SimulateArgs& args);
 
 // Prints the ledger as JSON: {"count": n, "charges": [...]}. Returns the exit code.
 int run_ledger(const std::string& ledger);

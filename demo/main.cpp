@@ -46,6 +46,24 @@ int main(int argc, char** argv) {
   charge->add_flag("--crash-after-charge", c.crash_after_charge,
                    "Die right after the provider recorded the charge");
 
+  idem::demo::SimulateArgs sim;
+  CLI::App* simulate = app.add_subcommand(
+      "simulate", "Seeded whole-system scenarios: clients, processes, crashes, faults, checked");
+  simulate->add_option("--seed", sim.seed, "First seed")->capture_default_str();
+  simulate->add_option("--scenarios", sim.scenarios, "How many seeds, from --seed on")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  simulate->add_option("--steps", sim.steps, "Requests per scenario (0: drawn from the seed)")
+      ->capture_default_str();
+  simulate->add_option("--minutes", sim.minutes, "Run fresh random seeds for this long instead")
+      ->check(CLI::NonNegativeNumber);
+  simulate->add_flag("--trace", sim.trace, "Print every scenario's trace, not only failures'");
+  simulate
+      ->add_option("--mutation", sim.mutation,
+                   "Break idem on purpose to watch the simulator catch it")
+      ->check(CLI::IsMember({"complete_without_token_check", "wait_runs_unprotected",
+                             "release_without_wake", "takeover_reuses_token"}));
+
   idem::demo::CheckoutArgs k;
   std::string checkout_dedup = "on";
   CLI::App* checkout_cmd = app.add_subcommand(
@@ -141,6 +159,7 @@ int main(int argc, char** argv) {
       c.provider_dedup = dedup == "on";
       return idem::demo::run_charge(c);
     }
+    if (simulate->parsed()) return idem::demo::run_simulate(sim);
     if (ledger_cmd->parsed()) return idem::demo::run_ledger(ledger);
     if (checkout_cmd->parsed()) {
       k.provider_dedup = checkout_dedup == "on";

@@ -9,6 +9,7 @@
 #include "attempt.hpp"
 #include "core.hpp"
 #include "flow.hpp"
+#include "idem/test_control.hpp"
 
 namespace idem {
 namespace detail {
@@ -90,6 +91,9 @@ Call CoordinatorCore::prepare(const Request& r, bool steps) const {
   validate_key_part("operation", r.operation);
   Call c;
   c.policy = r.in_flight.value_or(options.in_flight);
+  if (!steps && c.policy == InFlight::wait &&
+      test_control::enabled(test_control::Mutation::wait_runs_unprotected))
+    c.policy = InFlight::run;
   c.steps = steps;
   if (steps) {
     check(c.policy != InFlight::run,

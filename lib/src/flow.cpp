@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "core.hpp"
+#include "idem/test_control.hpp"
 
 namespace idem::detail {
 namespace {
@@ -302,7 +303,14 @@ Effect Flow::after_store() {
     const TimePoint expires_at = r.existing->expires_at;
     return answer(core_.response_of(std::move(*r.existing)), Outcome::Source::executed, expires_at);
   }
-  if (r.kind != Reservation::Kind::existing) bump(core_.counters.completed);
+  if (r.kind == Reservation::Kind::existing) {
+    // Another request's record holds the key (in progress, or stored with another payload):
+    // this response was not stored, and the Outcome must not say it was.
+    log(LogLevel::warning, "store_race_lost",
+        "InFlight::run: another record holds the key; this response is not stored");
+    return answer(std::move(response_), Outcome::Source::executed, {});
+  }
+  bump(core_.counters.completed);
   log(LogLevel::debug, "completed", "");
   return answer(std::move(response_), Outcome::Source::executed, op_.expires_at);
 }
@@ -316,7 +324,11 @@ Effect Flow::unstored(std::string_view why) {
 }
 
 Effect Flow::after_release() {
-  done_holding();
+  if (test_control::enabled(test_control::Mutation::release_without_wake)) {
+    holding_ = false;
+  } else {
+    done_holding();
+  }
   if (op_.error) {
     // The key stays reserved until its lease ends; the action's failure is the answer.
     bump(core_.counters.store_errors);

@@ -11,6 +11,7 @@
 #include "fair_mutex.hpp"
 #include "idem/errors.hpp"
 #include "idem/internal/sqlite.hpp"
+#include "idem/test_control.hpp"
 #include "sql.hpp"
 #include "sqlite_checkpointer.hpp"
 #include "sqlite_codec.hpp"
@@ -239,6 +240,8 @@ struct SqliteStore::Impl {
                                               now < existing->expires_at));
     out.kind = takeover ? Reservation::Kind::taken_over : Reservation::Kind::reserved;
     out.token = std::max(existing->token + 1, detail::ms(now));
+    if (takeover && test_control::enabled(test_control::Mutation::takeover_reuses_token))
+      out.token = existing->token;
     if (resume) out.recovery_point = existing->recovery_point;
     replace(id, fingerprint, out.token, now, lease_until, resume, existing->token);
     return out;
@@ -271,6 +274,10 @@ struct SqliteStore::Impl {
     ResetGuard reset(s);
     detail::bind_id(s, id);
     s.bind(4, token);
+    if (test_control::enabled(test_control::Mutation::complete_without_token_check)) {
+      const std::optional<Record> current = load_record(id);
+      if (current) s.bind(4, current->token);
+    }
     detail::bind_response(s, 5, response, headers);
     s.bind(9, detail::ms(expires_at));
     return changed(s);

@@ -49,6 +49,13 @@ Provider::Provider(std::shared_ptr<Clock> clock, ProviderOptions options)
 
 Provider::~Provider() = default;
 
+void Provider::clear() {
+  std::lock_guard lock(mutex_);
+  faults_.clear();
+  sink_ = nullptr;
+  sqlite::exec(ledger_->db.get(), sql::kClear);
+}
+
 void Provider::inject(Fault fault, std::size_t times) {
   std::lock_guard lock(mutex_);
   faults_.insert(faults_.end(), times, fault);

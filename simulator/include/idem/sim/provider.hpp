@@ -101,6 +101,11 @@ class Provider {
   PendingCharge start(std::string order_id, std::int64_t amount, std::string idempotency_key);
   ChargeResult finish(const PendingCharge& charge);
 
+  // Forgets every charge, pending fault and event sink, as a new provider would: the next
+  // charge is ch_1 again. For a simulator that reuses one provider across scenarios. Throws
+  // StoreError if the ledger cannot be written.
+  void clear();
+
   // Queues `times` copies of `fault` for the next charges (first in, first out).
   void inject(Fault fault, std::size_t times = 1);
 

@@ -1,0 +1,22 @@
+// idem — switches that break idem's contract on purpose, for idem's own simulator and tests.
+//
+// Each switch plants one known bug, so a test can show that the simulator's invariants catch
+// it (a test that cannot fail proves nothing). SQLite's sqlite3_test_control() is the model.
+// Never turn a switch on in a service: with one on, idem charges twice.
+#pragma once
+
+namespace idem::test_control {
+
+enum class Mutation : unsigned {
+  complete_without_token_check,  // SqliteStore completes whatever reservation holds the key
+  wait_runs_unprotected,         // InFlight::wait behaves as InFlight::run
+  release_without_wake,          // a release does not wake this process's waiters
+  takeover_reuses_token,         // a takeover keeps the expired holder's token
+};
+
+// Turns `m` on or off for the whole process. Thread-safety: safe from any thread; calls
+// already past the switch's point are not affected.
+void set(Mutation m, bool on) noexcept;
+bool enabled(Mutation m) noexcept;
+
+}  // namespace idem::test_control

@@ -1,0 +1,1037 @@
+#include "idem/sim/simulation.hpp"
+
+#include <utility>  // before Asio (Boost 1.74)
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <atomic>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <set>
+#include <system_error>
+
+#include <unistd.h>
+
+#include "idem/asio.hpp"
+#include "idem/errors.hpp"
+#include "idem/internal/sqlite.hpp"
+#include "idem/sim/async_provider.hpp"
+#include "idem/sim/driver.hpp"
+#include "idem/sim/faulty_store.hpp"
+#include "idem/sim/provider.hpp"
+#include "idem/sim/simulated_clock.hpp"
+#include "idem/sqlite_store.hpp"
+#include "idem/steps.hpp"
+#include "idem/store_wrapper.hpp"
+#include "simulation_sql.hpp"
+
+namespace idem::sim {
+
+const char* to_string(Invariant i) noexcept {
+  switch (i) {
+    case Invariant::at_most_once:
+      return "at_most_once";
+    case Invariant::success_charged:
+      return "success_charged";
+    case Invariant::same_answer:
+      return "same_answer";
+    case Invariant::right_payload:
+      return "right_payload";
+    case Invariant::tokens_grow:
+      return "tokens_grow";
+    case Invariant::fencing:
+      return "fencing";
+    case Invariant::lease_bounded:
+      return "lease_bounded";
+    case Invariant::waiters_wake:
+      return "waiters_wake";
+    case Invariant::finished:
+      return "finished";
+  }
+  return "?";
+}
+
+namespace {
+
+namespace net = boost::asio;
+using std::chrono::milliseconds;
+using namespace std::chrono_literals;
+
+// ---- the plan: everything a seed decides, before anything runs -----------------------------
+
+struct Config {
+  InFlight policy = InFlight::wait;
+  FailureMode mode = FailureMode::fail_closed;
+  int processes = 1;
+  milliseconds lease{1000};
+  milliseconds heartbeat{0};  // 0: none
+  milliseconds latency{100};  // the provider's
+  milliseconds max_wait{5000};
+  milliseconds reap_after{500};
+  milliseconds reap_every{1000};
+  int tenants = 1;
+  int keys = 1;
+};
+
+struct PlannedRequest {
+  int id = 0;
+  milliseconds at{0};
+  int process = 0;  // where the client sends first
+  int tenant = 0;
+  int operation = 0;
+  int key = 0;
+  long long amount = 0;
+  int retries = 0;
+  std::uint64_t seed = 0;  // its own randomness: faults per attempt, jitter
+  milliseconds stall{0};   // a pause after the charge (GC, swap): the lease may end meanwhile
+  bool faults = true;      // the provider may time out or decline its charges
+};
+
+struct PlannedCrash {
+  milliseconds at{0};
+  int process = 0;
+  milliseconds restart_after{0};
+};
+
+struct PlannedFault {
+  milliseconds at{0};
+  int process = 0;
+  Operation operation = Operation::reserve;
+  milliseconds lasts{0};
+};
+
+struct Plan {
+  std::uint64_t seed = 0;
+  Config config;
+  std::vector<PlannedRequest> requests;
+  std::vector<PlannedCrash> crashes;
+  std::vector<PlannedFault> faults;
+};
+
+class Rng {
+ public:
+  explicit Rng(std::uint64_t seed) : engine_(seed) {}
+  // Uniform enough for a simulator, and the same on every platform (the engine's output is
+  // specified by the standard; the distributions are not, so none is used).
+  std::uint64_t below(std::uint64_t n) { return n == 0 ? 0 : engine_() % n; }
+  long long range(long long lo, long long hi) {
+    return lo + static_cast<long long>(below(static_cast<std::uint64_t>(hi - lo + 1)));
+  }
+  bool percent(unsigned p) { return below(100) < p; }
+  std::uint64_t next() { return engine_(); }
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+constexpr const char* kTenants[] = {"alpha", "beta"};
+// The last is a multi-step operation (Coordinator::call_steps): charge, then an order row.
+constexpr const char* kOperations[] = {"payment.charge", "payment.refund", "order.checkout"};
+constexpr int kCheckout = 2;
+
+Plan make_plan(std::uint64_t seed, const ScenarioOptions& options) {
+  Rng rng(seed);
+  Plan p;
+  p.seed = seed;
+  Config& c = p.config;
+  const auto pick_policy = rng.below(10);
+  c.policy = pick_policy < 6 ? InFlight::wait : pick_policy < 9 ? InFlight::raise : InFlight::run;
+  c.mode = rng.percent(70) ? FailureMode::fail_closed : FailureMode::fail_open;
+  c.processes = static_cast<int>(rng.range(1, 3));
+  c.lease = milliseconds(rng.range(4, 20) * 100);
+  c.heartbeat = rng.percent(50) ? c.lease / 3 : 0ms;
+  c.latency = milliseconds(rng.range(0, 8) * 50);
+  c.tenants = static_cast<int>(rng.range(1, 2));
+  c.keys = static_cast<int>(rng.range(1, 3));
+  const std::size_t n =
+      options.requests != 0 ? options.requests : static_cast<std::size_t>(rng.range(2, 8));
+  const bool reuse = rng.percent(20);
+  for (std::size_t i = 0; i < n; ++i) {
+    PlannedRequest r;
+    r.id = static_cast<int>(i) + 1;
+    r.at = milliseconds(rng.range(0, 40) * 25);
+    r.process = static_cast<int>(rng.below(static_cast<std::uint64_t>(c.processes)));
+    r.tenant = static_cast<int>(rng.below(static_cast<std::uint64_t>(c.tenants)));
+    r.operation = static_cast<int>(rng.below(3));
+    r.key = static_cast<int>(rng.below(static_cast<std::uint64_t>(c.keys)));
+    // A key's amount is fixed by the key; a reused key sometimes comes with another amount.
+    r.amount = 100 * (r.key + 1) + ((reuse && rng.percent(30)) ? 5 : 0);
+    r.retries = static_cast<int>(rng.range(0, 4));
+    r.seed = rng.next();
+    r.faults = rng.percent(40);
+    if (rng.percent(8)) r.stall = c.lease * rng.range(1, 3) + 1ms;
+    p.requests.push_back(r);
+  }
+  if (rng.percent(25)) {
+    const auto crashes = rng.range(1, 2);
+    for (long long i = 0; i < crashes; ++i) {
+      p.crashes.push_back({milliseconds(rng.range(0, 60) * 25),
+                           static_cast<int>(rng.below(static_cast<std::uint64_t>(c.processes))),
+                           milliseconds(rng.range(0, 20) * 50)});
+    }
+  }
+  if (rng.percent(20)) {
+    constexpr Operation kOps[] = {Operation::reserve, Operation::complete, Operation::release,
+                                  Operation::renew,   Operation::load,     Operation::purge};
+    const auto faults = rng.range(1, 2);
+    for (long long i = 0; i < faults; ++i) {
+      p.faults.push_back({milliseconds(rng.range(0, 40) * 25),
+                          static_cast<int>(rng.below(static_cast<std::uint64_t>(c.processes))),
+                          kOps[rng.below(std::size(kOps))], milliseconds(rng.range(1, 20) * 50)});
+    }
+  }
+  return p;
+}
+
+const char* operation_name(Operation op) {
+  switch (op) {
+    case Operation::reserve:
+      return "reserve";
+    case Operation::complete:
+      return "complete";
+    case Operation::release:
+      return "release";
+    case Operation::renew:
+      return "renew (the heartbeat)";
+    case Operation::load:
+      return "load";
+    case Operation::purge:
+      return "purge";
+    default:
+      return "other";
+  }
+}
+
+std::string key_name(const Plan& p, const PlannedRequest& r) {
+  (void)p;
+  return fmt::format("{}/{}/k{}", kTenants[r.tenant], kOperations[r.operation], r.key);
+}
+
+std::string describe_plan(const Plan& p) {
+  const Config& c = p.config;
+  std::string out = fmt::format(
+      "config: in_flight={} {} processes={} lease={}ms heartbeat={}ms provider_latency={}ms "
+      "max_wait={}ms reap_after={}ms\n",
+      to_string(c.policy), c.mode == FailureMode::fail_open ? "fail_open" : "fail_closed",
+      c.processes, c.lease.count(), c.heartbeat.count(), c.latency.count(), c.max_wait.count(),
+      c.reap_after.count());
+  for (const auto& r : p.requests) {
+    out += fmt::format(
+        "request c{}: t={}ms to p{} key {} amount {} retries {}{}{}\n", r.id, r.at.count(),
+        r.process, key_name(p, r), r.amount, r.retries, r.faults ? " provider-faults" : "",
+        r.stall.count() ? fmt::format(" stall {}ms after charging", r.stall.count()) : "");
+  }
+  for (const auto& c2 : p.crashes) {
+    out += fmt::format("crash: p{} at t={}ms, restarts {}ms later\n", c2.process, c2.at.count(),
+                       c2.restart_after.count());
+  }
+  for (const auto& f : p.faults) {
+    out += fmt::format("store fault: p{} {} fails from t={}ms for {}ms\n", f.process,
+                       operation_name(f.operation), f.at.count(), f.lasts.count());
+  }
+  return out;
+}
+
+// ---- the run ---------------------------------------------------------------------------------
+
+// What scenarios on one thread share, so a scenario costs what it does and not what opening
+// databases costs: one database in SQLite's memdb VFS (connections opening the same name share
+// it, as processes share a file; file I/O faults are the fault VFS's tests'), the store
+// connections the scenarios' processes take one each, and the provider, emptied before each
+// scenario. A crashed process never gets its connection back within the scenario: its
+// restart takes the next one.
+class Pool {
+ public:
+  static Pool& mine() {
+    thread_local Pool pool;
+    return pool;
+  }
+
+  // Empties the database and the ledger, and points the provider at `clock`.
+  void begin(SimulatedClock& clock) {
+    clock_.target = &clock;
+    sqlite::exec(janitor_.get(), sql::kClearStore);
+    bank_->clear();
+    psp_->clear();
+    taken_ = 0;
+  }
+
+  // Every order row: (operation key, charge id).
+  std::vector<std::pair<std::string, std::string>> orders() {
+    sqlite::Statement s(janitor_.get(), sql::kOrders);
+    std::vector<std::pair<std::string, std::string>> out;
+    while (s.step()) out.emplace_back(s.text(0), s.text(1));
+    return out;
+  }
+
+  // A connection no process of this scenario has had.
+  std::shared_ptr<SqliteStore> take() {
+    if (taken_ == stores_.size())
+      stores_.push_back(
+          std::make_shared<SqliteStore>(name_, SqliteOptions{.background_checkpoint = false}));
+    return stores_[taken_++];
+  }
+
+  Provider& bank() { return *bank_; }
+  Provider& psp() { return *psp_; }
+
+ private:
+  // The provider's clock: the current scenario's.
+  struct SwitchedClock final : Clock {
+    SimulatedClock* target = nullptr;
+    TimePoint now() const override { return target->now(); }
+    TimerId call_at(TimePoint at, std::function<void()> fn) override {
+      return target->call_at(at, std::move(fn));
+    }
+    void cancel(TimerId id) override { target->cancel(id); }
+  };
+
+  Pool()
+      : name_(fmt::format("file:/idem-sim-{}-{}?vfs=memdb", getpid(),
+                          counter().fetch_add(1, std::memory_order_relaxed))),
+        janitor_(sqlite::open_connection(name_, &busy_)),
+        clock_ptr_(std::shared_ptr<SwitchedClock>(std::shared_ptr<SwitchedClock>{}, &clock_)) {
+    stores_.push_back(
+        std::make_shared<SqliteStore>(name_, SqliteOptions{.background_checkpoint = false}));
+    // The latency is the action's to wait (half before the charge, half after), so one
+    // provider serves every scenario.
+    bank_ = std::make_unique<Provider>(clock_ptr_, ProviderOptions{.latency = 0ms, .dedup = false});
+    // The multi-step operation pays through a provider that honours idempotency keys, as
+    // seed 000's design requires of every external step (the derived key).
+    psp_ = std::make_unique<Provider>(clock_ptr_, ProviderOptions{.latency = 0ms, .dedup = true});
+    sqlite::exec(janitor_.get(), sql::kCreateOrders);
+  }
+  static std::atomic<std::uint64_t>& counter() {
+    static std::atomic<std::uint64_t> n{0};
+    return n;
+  }
+
+  sqlite::BusyPolicy busy_{std::chrono::seconds(5), {}};
+  std::string name_;
+  sqlite::Connection janitor_;  // keeps the memdb database alive between scenarios
+  SwitchedClock clock_;
+  std::shared_ptr<Clock> clock_ptr_;  // not owning: the clock lives in the pool
+  std::vector<std::shared_ptr<SqliteStore>> stores_;
+  std::size_t taken_ = 0;
+  std::unique_ptr<Provider> bank_, psp_;
+};
+
+struct World;
+
+// Sees every write that reached the database: the tokens granted and the completions and
+// releases that were applied (tokens_grow, fencing).
+class Recorder final : public StoreWrapper {
+ public:
+  Recorder(std::shared_ptr<Store> target, World& world)
+      : StoreWrapper(std::move(target)), w_(world) {}
+  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
+                      TimePoint lease) override;
+  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
+                TimePoint expires) override;
+  bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
+  void apply(std::span<StoreOp* const> ops) override;
+
+ private:
+  void seen(const StoreOp& op);
+  World& w_;
+};
+
+struct Process {
+  int slot = 0;
+  int generation = 0;
+  bool alive = true;
+  std::shared_ptr<SqliteStore> sqlite;
+  std::shared_ptr<FaultyStore> faulty;
+  std::unique_ptr<Coordinator> coordinator;
+};
+
+struct Answer {
+  int request = 0;
+  std::string key;
+  int status = 0;
+  std::string body;
+  Outcome::Source source = Outcome::Source::executed;
+  bool stored = false;  // executed and stored, or replayed
+};
+
+// One run of the action.
+struct Execution {
+  std::string key;
+  bool charged = false;
+  bool clean = false;  // its call answered with its stored result, in a live process
+};
+
+class ProcessDied : public std::runtime_error {
+ public:
+  ProcessDied() : std::runtime_error("the process died") {}
+};
+
+struct KeyLog {
+  std::int64_t newest_token = 0;
+};
+
+// A call of a key that has begun and neither ran its action nor answered (a waiter, or one
+// on its way to reserve).
+struct Pending {
+  int call = 0;
+  bool progressed = false;
+};
+
+struct World {
+  const Plan& plan;
+  bool tracing;
+  std::vector<TraceEvent> trace;
+  std::vector<Violation> violations;
+
+  std::shared_ptr<SimulatedClock> clock = std::make_shared<SimulatedClock>();
+  TimePoint start = clock->now();
+  std::optional<net::io_context> io{std::in_place, 1};
+  Pool& pool = Pool::mine();
+  Provider* bank = &pool.bank();
+  Provider* psp = &pool.psp();
+  std::vector<std::unique_ptr<Process>> incarnations;  // every process that ever ran
+  std::vector<Process*> slots;                         // the current one of each slot
+  std::deque<Execution> executions;
+  std::vector<Answer> answers;
+  std::map<std::string, KeyLog> keys;
+  std::map<std::string, std::vector<std::shared_ptr<Pending>>> pending;
+  int next_call = 0;
+  std::size_t finished_clients = 0, attempts = 0, crashes = 0, faults = 0, events = 0;
+  bool store_trouble = false;  // a planned store fault or a crash happened
+  bool stalls = false;
+
+  explicit World(const Plan& p, bool t) : plan(p), tracing(t) {
+    // The provider does not deduplicate: what idem alone prevents is what is counted.
+    pool.begin(*clock);
+    if (tracing) {
+      bank->on_event([this](TimePoint at, const std::string& line) { note_at(at, "bank", line); });
+      psp->on_event([this](TimePoint at, const std::string& line) { note_at(at, "psp", line); });
+    }
+    for (int i = 0; i < plan.config.processes; ++i) slots.push_back(boot(i, 0));
+    stalls = std::any_of(p.requests.begin(), p.requests.end(),
+                         [](const PlannedRequest& r) { return r.stall.count() > 0; });
+    store_trouble = !p.crashes.empty() || !p.faults.empty();
+  }
+
+  ~World() {
+    // Coroutines still suspended (a dead process's waiters) go with the io_context, before
+    // the coordinators they refer to.
+    io.reset();
+  }
+
+  long long ms(TimePoint t) const { return (t - start).count(); }
+  void note_at(TimePoint at, std::string who, std::string what) {
+    if (tracing) trace.push_back({ms(at), std::move(who), std::move(what)});
+  }
+  void note(std::string who, std::string what) {
+    note_at(clock->now(), std::move(who), std::move(what));
+  }
+  void violate(Invariant i, std::string detail) {
+    note("check", fmt::format("VIOLATION {}: {}", to_string(i), detail));
+    violations.push_back({i, std::move(detail)});
+  }
+
+  Process* boot(int slot, int generation) {
+    auto p = std::make_unique<Process>();
+    p->slot = slot;
+    p->generation = generation;
+    p->sqlite = pool.take();
+    p->faulty = std::make_shared<FaultyStore>(std::make_shared<Recorder>(p->sqlite, *this));
+    Options o;
+    o.in_flight = plan.config.policy;
+    o.on_store_failure = plan.config.mode;
+    o.lease = plan.config.lease;
+    o.heartbeat = plan.config.heartbeat;
+    o.max_wait = plan.config.max_wait;
+    o.reap_after = plan.config.reap_after;
+    o.ttl = std::chrono::hours(1);
+    o.clock = clock;
+    if (tracing) {
+      std::string who = fmt::format("idem@p{}", slot);
+      o.log = [this, who](const LogEvent& e) {
+        note_at(e.at, who,
+                fmt::format("{} {} token {}{}{}", e.event, e.key_hash, e.token,
+                            e.message.empty() ? "" : ": ", e.message));
+      };
+    }
+    p->coordinator = std::make_unique<Coordinator>(p->faulty, std::move(o));
+    incarnations.push_back(std::move(p));
+    return incarnations.back().get();
+  }
+
+  // The process a client reaches: its planned one if alive, else the next alive one.
+  Process* reach(int preferred) {
+    for (int i = 0; i < plan.config.processes; ++i) {
+      Process* p = slots[static_cast<std::size_t>((preferred + i) % plan.config.processes)];
+      if (p->alive) return p;
+    }
+    return nullptr;
+  }
+
+  // A waiting (or reserving) call of `key` made progress: it ran its action or answered.
+  void progressed(const std::string& key, int call) {
+    auto& list = pending[key];
+    for (auto it = list.begin(); it != list.end(); ++it) {
+      if ((*it)->call == call) {
+        (*it)->progressed = true;
+        list.erase(it);
+        return;
+      }
+    }
+  }
+
+  // The holder of `key` freed it (completed and stored, or released after a failure): under
+  // InFlight::wait, one of the calls waiting then must go on within the polling bound (at
+  // once in this process, within poll_max from another).
+  void freed(const std::string& key) {
+    if (plan.config.policy != InFlight::wait || store_trouble || stalls) return;
+    auto& list = pending[key];
+    if (list.empty()) return;
+    std::vector<std::shared_ptr<Pending>> waiting = list;
+    const TimePoint freed_at = clock->now();
+    const TimePoint deadline = freed_at + Options{}.poll_max + 1ms;
+    clock->call_at(deadline, [this, key, waiting, freed_at] {
+      const bool any =
+          std::any_of(waiting.begin(), waiting.end(), [](const auto& p) { return p->progressed; });
+      if (!any) {
+        violate(Invariant::waiters_wake,
+                fmt::format("{}: freed at t={}ms, none of its {} waiting calls went on by t={}ms",
+                            key, ms(freed_at), waiting.size(), ms(clock->now())));
+      }
+    });
+  }
+
+  void crash(const PlannedCrash& c) {
+    Process* p = slots[static_cast<std::size_t>(c.process)];
+    if (!p->alive) return;
+    ++crashes;
+    note(fmt::format("p{}", c.process), "crashes (its coordinator and connection are gone)");
+    p->alive = false;
+    p->faulty->set_unreachable(true);  // a dead process writes nothing more
+    clock->call_at(clock->now() + c.restart_after, [this, slot = c.process] {
+      Process* old = slots[static_cast<std::size_t>(slot)];
+      slots[static_cast<std::size_t>(slot)] = boot(slot, old->generation + 1);
+      note(fmt::format("p{}", slot), "restarts with a new coordinator and connection");
+    });
+  }
+
+  void fault(const PlannedFault& f) {
+    Process* p = slots[static_cast<std::size_t>(f.process)];
+    if (!p->alive) return;
+    ++faults;
+    note(fmt::format("p{}", f.process),
+         fmt::format("store {} starts failing", operation_name(f.operation)));
+    p->faulty->fail(f.operation, true);
+    clock->call_at(clock->now() + f.lasts, [this, p, op = f.operation, slot = f.process] {
+      if (!p->alive) return;
+      p->faulty->fail(op, false);
+      note(fmt::format("p{}", slot), fmt::format("store {} works again", operation_name(op)));
+    });
+  }
+
+  // Reaps on the first live process when a reservation's lease ended more than reap_after
+  // ago, then checks that none outlived its lease by more than that and one round.
+  void reap_round() {
+    Process* p = reach(0);
+    if (p == nullptr) return;
+    auto overdue = [&](milliseconds grace) -> std::optional<std::pair<std::string, Record>> {
+      const TimePoint now = clock->now();
+      std::set<std::string> seen;
+      for (const auto& r : plan.requests) {
+        std::string name = key_name(plan, r);
+        // A multi-step operation that made progress is the completer's, not the reaper's.
+        if (r.operation == kCheckout || !seen.insert(name).second) continue;
+        std::optional<Record> rec = p->sqlite->load(
+            KeyId{kTenants[r.tenant], kOperations[r.operation], fmt::format("k{}", r.key)});
+        if (rec && rec->state == State::in_progress && rec->lease_until + grace < now)
+          return std::make_pair(std::move(name), std::move(*rec));
+      }
+      return std::nullopt;
+    };
+    if (!overdue(plan.config.reap_after)) return;
+    try {
+      p->coordinator->reap();
+    } catch (const StoreError&) {
+      return;
+    }
+    if (auto left = overdue(plan.config.reap_after + plan.config.reap_every)) {
+      violate(Invariant::lease_bounded,
+              fmt::format("{}: reservation token {} with a lease that ended at t={}ms is still "
+                          "there after the reaper ran at t={}ms",
+                          left->first, left->second.token, ms(left->second.lease_until),
+                          ms(clock->now())));
+    }
+  }
+
+  void run();
+  void check();
+};
+
+net::awaitable<void> maintenance(World& w) {
+  while (w.finished_clients < w.plan.requests.size()) {
+    co_await async_sleep_until(*w.clock, w.clock->now() + w.plan.config.reap_every);
+    w.reap_round();
+  }
+}
+
+Response answer_of(const PlannedRequest& r, const std::string& key, const ChargeResult& c) {
+  nlohmann::json body{{"tenant", kTenants[r.tenant]}, {"key", key}, {"amount", r.amount}};
+  if (c.declined) {
+    body["declined"] = c.reason;
+    return Response{402, body.dump(), {}};
+  }
+  body["charge_id"] = c.charge_id;
+  return Response{200, body.dump(), {}};
+}
+
+// One attempt of a request on process `p`. Returns true when the client has its final
+// answer.
+net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng& rng) {
+  const std::string key = key_name(w.plan, r);
+  const int call = ++w.next_call;
+  ++w.attempts;
+  auto me = std::make_shared<Pending>();
+  me->call = call;
+  w.pending[key].push_back(me);
+  std::optional<Fault> fault;
+  if (r.faults) {
+    const auto roll = rng.below(10);
+    if (roll == 0) fault = Fault::timeout;
+    if (roll == 1) fault = Fault::decline;
+    if (roll == 2) fault = Fault::charged_then_timeout;
+  }
+  const std::size_t exec = w.executions.size();
+  w.executions.push_back({key});
+  const std::string who = fmt::format("c{}", r.id);
+  w.note(who, fmt::format("sends {} amount {} to p{}", key, r.amount, p.slot));
+
+  Request request;
+  request.tenant = kTenants[r.tenant];
+  request.operation = kOperations[r.operation];
+  request.key = fmt::format("k{}", r.key);
+  request.fingerprint = Fingerprint::of(nlohmann::json{{"amount", r.amount}});
+  AsyncAction action = [&w, &r, &p, exec, call, key, fault]() -> net::awaitable<Response> {
+    Execution& e = w.executions[exec];
+    if (!p.alive) throw ProcessDied();
+    w.progressed(key, call);
+    w.note(fmt::format("c{}", r.id), fmt::format("runs the action on p{}", p.slot));
+    // The request travels to the bank for half the latency, is charged there, and the answer
+    // travels back for the other half (a process that dies meanwhile was charged).
+    const milliseconds half = w.plan.config.latency / 2;
+    const TimePoint there = w.clock->now() + half;
+    co_await async_sleep_until(*w.clock, there);
+    ChargeResult c;
+    std::exception_ptr timed_out;
+    if (fault) w.bank->inject(*fault);  // for this charge: the next one the provider starts
+    try {
+      c = co_await async_charge(*w.bank, key, r.amount, "");
+      e.charged = !c.declined;
+    } catch (const ProviderTimeout&) {
+      if (fault == Fault::charged_then_timeout) e.charged = true;
+      timed_out = std::current_exception();
+    }
+    const TimePoint back = w.clock->now() + half;
+    co_await async_sleep_until(*w.clock, back);
+    if (timed_out) std::rethrow_exception(timed_out);
+    if (r.stall.count() > 0) {
+      w.note(fmt::format("c{}", r.id), fmt::format("stalls {}ms", r.stall.count()));
+      const TimePoint until = w.clock->now() + r.stall;
+      co_await async_sleep_until(*w.clock, until);
+    }
+    co_return answer_of(r, key, c);
+  };
+
+  // The multi-step operation: the charge is an external step (derived key, looked up after an
+  // unknown outcome), the order a local step in the store's transaction.
+  AsyncStepsAction steps = [&w, &r, &p, exec, call, key,
+                            fault](Attempt& a) -> net::awaitable<Response> {
+    if (!p.alive) throw ProcessDied();
+    w.progressed(key, call);
+    w.note(fmt::format("c{}", r.id), fmt::format("runs the steps on p{}", p.slot));
+    AsyncExternalCall pay = [&w, &r, key, fault,
+                             exec](const std::string& derived) -> net::awaitable<std::string> {
+      const milliseconds half = w.plan.config.latency / 2;
+      const TimePoint there = w.clock->now() + half;
+      co_await async_sleep_until(*w.clock, there);
+      if (fault) w.psp->inject(*fault);
+      ChargeResult c;
+      std::exception_ptr timed_out;
+      try {
+        c = co_await async_charge(*w.psp, key, r.amount, derived);
+        w.executions[exec].charged = !c.declined && !c.deduplicated;
+      } catch (const ProviderTimeout&) {
+        timed_out = std::current_exception();
+      }
+      const TimePoint back = w.clock->now() + half;
+      co_await async_sleep_until(*w.clock, back);
+      if (timed_out) std::rethrow_exception(timed_out);
+      co_return c.declined ? std::string("declined") : c.charge_id;
+    };
+    AsyncLookup lookup =
+        [&w](const std::string& derived) -> net::awaitable<std::optional<std::string>> {
+      const std::optional<Charge> found = w.psp->find(derived);
+      co_return found ? std::optional<std::string>(found->id) : std::nullopt;
+    };
+    std::string step = "charge";
+    const std::string charge_id =
+        co_await async_external(a, std::move(step), std::move(pay), std::move(lookup));
+    ChargeResult c;
+    if (charge_id == "declined") {
+      c.declined = true;
+      c.reason = "insufficient_funds";
+      co_return answer_of(r, key, c);
+    }
+    if (!p.alive) throw ProcessDied();
+    a.local("order", [&](LocalTransaction& tx) {
+      tx.execute(sql::kInsertOrder, {key, charge_id});
+      return charge_id;
+    });
+    c.charge_id = charge_id;
+    co_return answer_of(r, key, c);
+  };
+
+  const int generation = p.generation;
+  auto lost = [&] { return !p.alive || p.generation != generation; };
+  bool final = false;
+  std::string said;
+  try {
+    Outcome o;
+    if (r.operation == kCheckout) {
+      // A multi-step operation never runs unreserved: under InFlight::run it waits.
+      if (w.plan.config.policy == InFlight::run) request.in_flight = InFlight::wait;
+      request.payload = fmt::format("{}", r.amount);
+      o = co_await async_call_steps(*p.coordinator, std::move(request), std::move(steps));
+    } else {
+      o = co_await async_call(*p.coordinator, std::move(request), std::move(action));
+    }
+    if (lost()) {
+      said = "gets no answer: its process died";
+    } else {
+      const bool stored = o.source == Outcome::Source::replayed ||
+                          (o.source == Outcome::Source::executed && o.expires_at != TimePoint{});
+      if (o.source == Outcome::Source::executed && stored) w.executions[exec].clean = true;
+      w.answers.push_back({r.id, key, o.response.status, o.response.body, o.source, stored});
+      said = fmt::format("<- {} {}{}", o.response.status, o.response.body,
+                         o.replayed() ? " (replayed)" : "");
+      final = true;
+      if (o.source == Outcome::Source::executed && stored) w.freed(key);
+    }
+  } catch (const InProgressError&) {
+    said = "<- 409 in progress";
+    if (!lost() && w.plan.config.policy == InFlight::wait && !w.store_trouble && !w.stalls) {
+      w.violate(Invariant::waiters_wake,
+                fmt::format("c{} ({}) gave up waiting under InFlight::wait", r.id, key));
+    }
+  } catch (const KeyReuseError&) {
+    said = "<- 422 key reused with another payload";
+    final = !lost();
+  } catch (const LeaseLostError&) {
+    said = "<- 500 lease lost";
+  } catch (const StoreError& e) {
+    said = fmt::format("<- 503 {}", e.what());
+  } catch (const ProviderTimeout&) {
+    said = "<- 504 provider timed out";
+    if (!lost()) w.freed(key);
+  } catch (const ProcessDied&) {
+    said = "gets no answer: its process died";
+  } catch (const std::exception& e) {
+    // Anything else is a contract error of its own: the client is told nothing it expects.
+    said = fmt::format("<- unexpected error: {}", e.what());
+    w.violate(Invariant::finished,
+              fmt::format("c{} ({}) got an unexpected error: {}", r.id, key, e.what()));
+    final = true;
+  }
+  w.progressed(key, call);
+  w.note(who, said);
+  co_return final;
+}
+
+net::awaitable<void> client(World& w, const PlannedRequest& r) {
+  co_await async_sleep_until(*w.clock, w.start + r.at);
+  Rng rng(r.seed);
+  for (int tries = 0;;) {
+    Process* p = w.reach(r.process);
+    if (p != nullptr) {
+      const bool final = co_await attempt(w, r, *p, rng);
+      if (final || ++tries > r.retries) break;
+    }
+    // Backoff with jitter, as a careful client retries.
+    const milliseconds backoff =
+        milliseconds(50 << std::min(tries, 5)) + milliseconds(rng.range(0, 50));
+    const TimePoint until = w.clock->now() + backoff;
+    co_await async_sleep_until(*w.clock, until);
+  }
+  ++w.finished_clients;
+}
+
+void spawn(World& w, net::awaitable<void> task) {
+  net::co_spawn(*w.io, std::move(task), [](std::exception_ptr e) {
+    if (e) std::rethrow_exception(e);
+  });
+}
+
+void World::run() {
+  for (const auto& c : plan.crashes) clock->call_at(start + c.at, [this, c] { crash(c); });
+  for (const auto& f : plan.faults) clock->call_at(start + f.at, [this, f] { fault(f); });
+  for (const auto& r : plan.requests) spawn(*this, client(*this, r));
+  spawn(*this, maintenance(*this));
+  events = sim::run(*io, *clock);
+  check();
+}
+
+void World::check() {
+  if (finished_clients != plan.requests.size()) {
+    violate(Invariant::finished,
+            fmt::format("{} of {} clients never got a final answer or gave up",
+                        plan.requests.size() - finished_clients, plan.requests.size()));
+  }
+  const std::vector<Charge> ledger = bank->charges();
+  std::map<std::string, std::vector<std::string>> charges_of;
+  for (const auto& c : ledger) charges_of[c.order_id].push_back(c.id);
+  std::map<std::string, std::size_t> unclean;
+  for (const auto& e : executions) {
+    if (e.charged && !e.clean) ++unclean[e.key];
+  }
+  // The multi-step operation: one charge and one order per key, whatever happened.
+  for (const auto& c : psp->charges()) charges_of[c.order_id].push_back(c.id);
+  std::map<std::string, std::vector<std::string>> orders_of;
+  for (auto& [key, charge] : pool.orders()) orders_of[key].push_back(charge);
+  for (const auto& [key, ids] : orders_of) {
+    if (ids.size() > 1) {
+      violate(Invariant::at_most_once, fmt::format("{}: {} orders ({})", key, ids.size(),
+                                                   fmt::format("{}", fmt::join(ids, ", "))));
+    }
+  }
+  for (const auto& [key, ids] : charges_of) {
+    if (key.find(kOperations[kCheckout]) != std::string::npos && ids.size() > 1) {
+      violate(Invariant::at_most_once,
+              fmt::format("{}: the multi-step operation charged {} times ({})", key, ids.size(),
+                          fmt::format("{}", fmt::join(ids, ", "))));
+    }
+  }
+  if (plan.config.policy != InFlight::run) {
+    for (const auto& [key, ids] : charges_of) {
+      if (ids.size() > 1 + unclean[key]) {
+        violate(
+            Invariant::at_most_once,
+            fmt::format("{} charged {} times ({}); attempts that charged and did not end "
+                        "cleanly: {}",
+                        key, ids.size(), fmt::format("{}", fmt::join(ids, ", ")), unclean[key]));
+      }
+    }
+  }
+  std::map<std::string, const Answer*> first_stored;
+  for (const auto& a : answers) {
+    const PlannedRequest& r = plan.requests[static_cast<std::size_t>(a.request - 1)];
+    nlohmann::json body = nlohmann::json::parse(a.body, nullptr, false);
+    if (body.is_discarded() || body.value("tenant", "") != kTenants[r.tenant] ||
+        body.value("key", "") != a.key || body.value("amount", -1LL) != r.amount) {
+      violate(Invariant::right_payload, fmt::format("c{} ({} amount {}) was answered {}", a.request,
+                                                    a.key, r.amount, a.body));
+    }
+    if (a.status == 200) {
+      const std::string id = body.is_discarded() ? "" : body.value("charge_id", "");
+      const auto& ids = charges_of[a.key];
+      if (std::find(ids.begin(), ids.end(), id) == ids.end()) {
+        violate(Invariant::success_charged,
+                fmt::format("c{} was answered charge {} that the ledger has no record of for {}",
+                            a.request, id, a.key));
+      }
+      const auto& orders = orders_of[a.key];
+      if (r.operation == kCheckout && std::find(orders.begin(), orders.end(), id) == orders.end()) {
+        violate(Invariant::success_charged,
+                fmt::format("c{} was answered charge {} but no order of {} was paid with it",
+                            a.request, id, a.key));
+      }
+    }
+    if (!a.stored) continue;
+    auto [it, fresh] = first_stored.emplace(a.key, &a);
+    if (!fresh && (it->second->status != a.status || it->second->body != a.body)) {
+      violate(Invariant::same_answer,
+              fmt::format("{}: c{} got {} {} but c{} got {} {}", a.key, it->second->request,
+                          it->second->status, it->second->body, a.request, a.status, a.body));
+    }
+  }
+}
+
+Reservation Recorder::reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
+                              TimePoint lease) {
+  StoreOp op{.kind = StoreOp::Kind::reserve,
+             .id = &id,
+             .fingerprint = &fp,
+             .now = now,
+             .lease_until = lease};
+  op.reservation = StoreWrapper::reserve(id, fp, now, lease);
+  seen(op);
+  return op.reservation;
+}
+
+bool Recorder::complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
+                        TimePoint expires) {
+  StoreOp op{.kind = StoreOp::Kind::complete,
+             .id = &id,
+             .expires_at = expires,
+             .token = token,
+             .response = &r};
+  op.applied = StoreWrapper::complete(id, token, r, expires);
+  seen(op);
+  return op.applied;
+}
+
+bool Recorder::release(const KeyId& id, std::int64_t token, TimePoint now) {
+  StoreOp op{.kind = StoreOp::Kind::release, .id = &id, .now = now, .token = token};
+  op.applied = StoreWrapper::release(id, token, now);
+  seen(op);
+  return op.applied;
+}
+
+void Recorder::apply(std::span<StoreOp* const> ops) {
+  StoreWrapper::apply(ops);
+  for (StoreOp* op : ops) {
+    if (!op->error) seen(*op);
+  }
+}
+
+void Recorder::seen(const StoreOp& op) {
+  const std::string key = fmt::format("{}/{}/{}", op.id->tenant, op.id->operation, op.id->key);
+  KeyLog& k = w_.keys[key];
+  switch (op.kind) {
+    case StoreOp::Kind::reserve:
+      if (op.reservation.kind == Reservation::Kind::existing) return;
+      if (op.reservation.token <= k.newest_token) {
+        w_.violate(Invariant::tokens_grow,
+                   fmt::format("{}: a reservation got token {} after token {}", key,
+                               op.reservation.token, k.newest_token));
+      }
+      k.newest_token = std::max(k.newest_token, op.reservation.token);
+      w_.note("store", fmt::format("{} reserved with token {}", key, op.reservation.token));
+      return;
+    case StoreOp::Kind::complete:
+    case StoreOp::Kind::release:
+      if (op.applied && op.token != k.newest_token) {
+        w_.violate(Invariant::fencing,
+                   fmt::format("{}: a {} under token {} was applied, but token {} holds the key",
+                               key, op.kind == StoreOp::Kind::complete ? "completion" : "release",
+                               op.token, k.newest_token));
+      }
+      return;
+    case StoreOp::Kind::store_if_absent:
+      return;
+  }
+}
+
+ScenarioResult run_plan(const Plan& plan, bool tracing) {
+  ScenarioResult out;
+  out.seed = plan.seed;
+  out.plan = describe_plan(plan);
+  World w(plan, tracing);
+  w.run();
+  out.violations = std::move(w.violations);
+  out.trace = std::move(w.trace);
+  out.requests = plan.requests.size();
+  out.attempts = w.attempts;
+  out.processes = static_cast<std::size_t>(plan.config.processes);
+  out.crashes = w.crashes;
+  out.faults = w.faults;
+  out.charges = w.bank->charge_count();
+  out.events = w.events;
+  out.simulated_ms = w.ms(w.clock->now());
+  return out;
+}
+
+// Drops parts of a failing plan while it still fails with the same invariant.
+Plan shrink(Plan plan, Invariant broken) {
+  auto still_fails = [broken](const Plan& p) {
+    const ScenarioResult r = run_plan(p, false);
+    return std::any_of(r.violations.begin(), r.violations.end(),
+                       [broken](const Violation& v) { return v.invariant == broken; });
+  };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (std::size_t i = 0; i < plan.crashes.size(); ++i) {
+      Plan p = plan;
+      p.crashes.erase(p.crashes.begin() + static_cast<std::ptrdiff_t>(i));
+      if (still_fails(p)) {
+        plan = std::move(p);
+        changed = true;
+        break;
+      }
+    }
+    for (std::size_t i = 0; i < plan.faults.size(); ++i) {
+      Plan p = plan;
+      p.faults.erase(p.faults.begin() + static_cast<std::ptrdiff_t>(i));
+      if (still_fails(p)) {
+        plan = std::move(p);
+        changed = true;
+        break;
+      }
+    }
+    for (std::size_t i = 0; i < plan.requests.size() && plan.requests.size() > 1; ++i) {
+      Plan p = plan;
+      p.requests.erase(p.requests.begin() + static_cast<std::ptrdiff_t>(i));
+      for (std::size_t j = 0; j < p.requests.size(); ++j)
+        p.requests[j].id = static_cast<int>(j) + 1;
+      if (still_fails(p)) {
+        plan = std::move(p);
+        changed = true;
+        break;
+      }
+    }
+    for (std::size_t i = 0; i < plan.requests.size(); ++i) {
+      for (int what = 0; what < 3; ++what) {
+        Plan p = plan;
+        PlannedRequest& q = p.requests[i];
+        if (what == 0 && q.faults)
+          q.faults = false;
+        else if (what == 1 && q.stall.count() > 0)
+          q.stall = 0ms;
+        else if (what == 2 && q.retries > 0)
+          q.retries = 0;
+        else
+          continue;
+        if (still_fails(p)) {
+          plan = std::move(p);
+          changed = true;
+        }
+      }
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+ScenarioResult simulate(std::uint64_t seed, const ScenarioOptions& options) {
+  const Plan plan = make_plan(seed, options);
+  ScenarioResult r = run_plan(plan, options.trace);
+  if (r.ok() || !options.shrink) return r;
+  const Plan minimal = shrink(plan, r.violations.front().invariant);
+  ScenarioResult small = run_plan(minimal, true);
+  if (small.ok()) return r;  // cannot happen: shrink keeps only plans that fail
+  return small;
+}
+
+std::string describe(const ScenarioResult& r) {
+  std::string out = fmt::format("seed {}: {}\n", r.seed, r.ok() ? "ok" : "FAILED");
+  for (const auto& v : r.violations)
+    out += fmt::format("  violated {}: {}\n", to_string(v.invariant), v.detail);
+  out += "plan:\n";
+  out += r.plan;
+  if (!r.trace.empty()) {
+    out += "trace:\n";
+    for (const auto& e : r.trace)
+      out += fmt::format("  t={:>6}ms  {:<8} {}\n", e.at_ms, e.who, e.what);
+  }
+  return out;
+}
+
+}  // namespace idem::sim

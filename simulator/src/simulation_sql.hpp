@@ -1,0 +1,20 @@
+// Every SQL statement of the simulator's own: it empties idem's tables between scenarios,
+// so one database and its connections serve a whole run of scenarios.
+#pragma once
+
+#include <string_view>
+
+namespace idem::sim::sql {
+
+// The shop's orders, written by the multi-step operation's local step (one row per run, so
+// a step that ran twice shows as two rows).
+inline constexpr std::string_view kCreateOrders =
+    "CREATE TABLE IF NOT EXISTS sim_orders (order_key TEXT NOT NULL, charge_id TEXT NOT NULL)";
+inline constexpr std::string_view kClearStore =
+    "DELETE FROM idem_keys; DELETE FROM idem_outbox; DELETE FROM sim_orders";
+// ?1 the operation's key ?2 the charge it paid with.
+inline constexpr std::string_view kInsertOrder =
+    "INSERT INTO sim_orders (order_key, charge_id) VALUES (?1, ?2)";
+inline constexpr std::string_view kOrders = "SELECT order_key, charge_id FROM sim_orders";
+
+}  // namespace idem::sim::sql
