@@ -30,9 +30,10 @@ inline constexpr std::string_view kCount = "SELECT count(*) FROM charges";
 // ?1 seq ?2 limit: the charges made after charge ch_<?1>, in order.
 inline constexpr std::string_view kPage =
     "SELECT seq, order_id, amount, idem_key, at FROM charges WHERE seq > ?1 ORDER BY seq LIMIT ?2";
-// Forgets every charge; ids start again at ch_1.
-inline constexpr std::string_view kClear =
-    "DELETE FROM charges; DELETE FROM sqlite_sequence WHERE name = 'charges'";
+// Forget every charge; ids start again at ch_1.
+inline constexpr std::string_view kClearCharges = "DELETE FROM charges";
+inline constexpr std::string_view kClearSequence =
+    "DELETE FROM sqlite_sequence WHERE name = 'charges'";
 inline constexpr std::string_view kAll =
     "SELECT seq, order_id, amount, idem_key, at FROM charges ORDER BY seq";
 

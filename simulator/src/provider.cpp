@@ -18,7 +18,8 @@ struct Provider::Ledger {
   sqlite::BusyPolicy busy{std::chrono::seconds(30), {}};
   sqlite::Connection db;
   sqlite::TransactionStatements tx;
-  std::unique_ptr<sqlite::Statement> find, by_key, insert, count, all, page;
+  std::unique_ptr<sqlite::Statement> find, by_key, insert, count, all, page, clear_charges,
+      clear_sequence;
 
   explicit Ledger(const std::string& path)
       : db(sqlite::open_connection(path.empty() ? ":memory:" : path, &busy)), tx(db.get()) {
@@ -37,6 +38,8 @@ struct Provider::Ledger {
     count = make(sql::kCount);
     all = make(sql::kAll);
     page = make(sql::kPage);
+    clear_charges = make(sql::kClearCharges);
+    clear_sequence = make(sql::kClearSequence);
   }
 };
 
@@ -53,7 +56,10 @@ void Provider::clear() {
   std::lock_guard lock(mutex_);
   faults_.clear();
   sink_ = nullptr;
-  sqlite::exec(ledger_->db.get(), sql::kClear);
+  for (auto* s : {ledger_->clear_charges.get(), ledger_->clear_sequence.get()}) {
+    sqlite::ResetGuard reset(*s);
+    s->step();
+  }
 }
 
 void Provider::inject(Fault fault, std::size_t times) {

@@ -9,6 +9,9 @@
 #include <atomic>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/redirect_error.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
 #include <deque>
 #include <map>
 #include <memory>
@@ -77,7 +80,7 @@ struct Config {
   milliseconds latency{100};  // the provider's
   milliseconds max_wait{5000};
   milliseconds reap_after{500};
-  milliseconds reap_every{1000};
+  milliseconds reap_every{2000};
   int tenants = 1;
   int keys = 1;
 };
@@ -153,7 +156,7 @@ Plan make_plan(std::uint64_t seed, const ScenarioOptions& options) {
   c.tenants = static_cast<int>(rng.range(1, 2));
   c.keys = static_cast<int>(rng.range(1, 3));
   const std::size_t n =
-      options.requests != 0 ? options.requests : static_cast<std::size_t>(rng.range(2, 8));
+      options.requests != 0 ? options.requests : static_cast<std::size_t>(rng.range(2, 6));
   const bool reuse = rng.percent(20);
   for (std::size_t i = 0; i < n; ++i) {
     PlannedRequest r;
@@ -259,7 +262,10 @@ class Pool {
   // Empties the database and the ledger, and points the provider at `clock`.
   void begin(SimulatedClock& clock) {
     clock_.target = &clock;
-    sqlite::exec(janitor_.get(), sql::kClearStore);
+    for (auto* clear : {&clear_keys_, &clear_outbox_, &clear_orders_}) {
+      sqlite::ResetGuard reset(**clear);
+      (*clear)->step();
+    }
     bank_->clear();
     psp_->clear();
     taken_ = 0;
@@ -309,6 +315,9 @@ class Pool {
     // seed 000's design requires of every external step (the derived key).
     psp_ = std::make_unique<Provider>(clock_ptr_, ProviderOptions{.latency = 0ms, .dedup = true});
     sqlite::exec(janitor_.get(), sql::kCreateOrders);
+    clear_keys_.emplace(janitor_.get(), sql::kClearKeys);
+    clear_outbox_.emplace(janitor_.get(), sql::kClearOutbox);
+    clear_orders_.emplace(janitor_.get(), sql::kClearOrders);
   }
   static std::atomic<std::uint64_t>& counter() {
     static std::atomic<std::uint64_t> n{0};
@@ -323,6 +332,7 @@ class Pool {
   std::vector<std::shared_ptr<SqliteStore>> stores_;
   std::size_t taken_ = 0;
   std::unique_ptr<Provider> bank_, psp_;
+  std::optional<sqlite::Statement> clear_keys_, clear_outbox_, clear_orders_;
 };
 
 struct World;
@@ -345,13 +355,45 @@ class Recorder final : public StoreWrapper {
   World& w_;
 };
 
+// A process's view of time: the world's clock until the process dies; then nothing it
+// scheduled ever runs (its waits, heartbeats and sleeps stop where they were, as in a process
+// that was killed).
+class ProcessClock final : public Clock {
+ public:
+  explicit ProcessClock(std::shared_ptr<SimulatedClock> world) : world_(std::move(world)) {}
+  TimePoint now() const override { return world_->now(); }
+  TimerId call_at(TimePoint at, std::function<void()> fn) override {
+    return world_->call_at(at, [alive = alive_, fn = std::move(fn)] {
+      if (*alive) fn();
+    });
+  }
+  void cancel(TimerId id) override { world_->cancel(id); }
+  void stop() { *alive_ = false; }
+
+ private:
+  std::shared_ptr<SimulatedClock> world_;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+};
+
+// What a client waits on while a process serves its request: the answer, or the process's
+// death (then the client hears nothing, as over a connection that was reset).
+struct Reply {
+  explicit Reply(net::io_context& io) : wake(io, net::steady_timer::time_point::max()) {}
+  net::steady_timer wake;  // cancelled when the answer comes or the process dies
+  bool done = false;
+  std::optional<Outcome> outcome;
+  std::exception_ptr error;
+};
+
 struct Process {
   int slot = 0;
   int generation = 0;
   bool alive = true;
+  std::shared_ptr<ProcessClock> clock;
   std::shared_ptr<SqliteStore> sqlite;
   std::shared_ptr<FaultyStore> faulty;
   std::unique_ptr<Coordinator> coordinator;
+  std::set<Reply*> waiting;  // the replies its clients wait for
 };
 
 struct Answer {
@@ -454,7 +496,8 @@ struct World {
     o.max_wait = plan.config.max_wait;
     o.reap_after = plan.config.reap_after;
     o.ttl = std::chrono::hours(1);
-    o.clock = clock;
+    p->clock = std::make_shared<ProcessClock>(clock);
+    o.clock = p->clock;
     if (tracing) {
       std::string who = fmt::format("idem@p{}", slot);
       o.log = [this, who](const LogEvent& e) {
@@ -516,7 +559,9 @@ struct World {
     ++crashes;
     note(fmt::format("p{}", c.process), "crashes (its coordinator and connection are gone)");
     p->alive = false;
-    p->faulty->set_unreachable(true);  // a dead process writes nothing more
+    p->clock->stop();
+    p->faulty->set_unreachable(true);                      // a dead process writes nothing more
+    for (Reply* reply : p->waiting) reply->wake.cancel();  // its clients hear nothing
     clock->call_at(clock->now() + c.restart_after, [this, slot = c.process] {
       Process* old = slots[static_cast<std::size_t>(slot)];
       slots[static_cast<std::size_t>(slot)] = boot(slot, old->generation + 1);
@@ -593,6 +638,30 @@ Response answer_of(const PlannedRequest& r, const std::string& key, const Charge
   return Response{200, body.dump(), {}};
 }
 
+void spawn(World& w, net::awaitable<void> task) {
+  net::co_spawn(*w.io, std::move(task), [](std::exception_ptr e) {
+    if (e) std::rethrow_exception(e);
+  });
+}
+
+// A process serving one request: the answer goes to `reply`, unless the process died first
+// (then the coroutine stays suspended where it was, with its clock, until the world ends).
+net::awaitable<void> serve(Process& p, Request request, bool steps, AsyncAction action,
+                           AsyncStepsAction steps_action, std::shared_ptr<Reply> reply) {
+  try {
+    if (steps) {
+      reply->outcome =
+          co_await async_call_steps(*p.coordinator, std::move(request), std::move(steps_action));
+    } else {
+      reply->outcome = co_await async_call(*p.coordinator, std::move(request), std::move(action));
+    }
+  } catch (...) {
+    reply->error = std::current_exception();
+  }
+  reply->done = true;
+  reply->wake.cancel();
+}
+
 // One attempt of a request on process `p`. Returns true when the client has its final
 // answer.
 net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng& rng) {
@@ -611,8 +680,8 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
   }
   const std::size_t exec = w.executions.size();
   w.executions.push_back({key});
-  const std::string who = fmt::format("c{}", r.id);
-  w.note(who, fmt::format("sends {} amount {} to p{}", key, r.amount, p.slot));
+  const std::string who = w.tracing ? fmt::format("c{}", r.id) : std::string();
+  if (w.tracing) w.note(who, fmt::format("sends {} amount {} to p{}", key, r.amount, p.slot));
 
   Request request;
   request.tenant = kTenants[r.tenant];
@@ -623,12 +692,12 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
     Execution& e = w.executions[exec];
     if (!p.alive) throw ProcessDied();
     w.progressed(key, call);
-    w.note(fmt::format("c{}", r.id), fmt::format("runs the action on p{}", p.slot));
+    if (w.tracing) w.note(fmt::format("c{}", r.id), fmt::format("runs the action on p{}", p.slot));
     // The request travels to the bank for half the latency, is charged there, and the answer
     // travels back for the other half (a process that dies meanwhile was charged).
     const milliseconds half = w.plan.config.latency / 2;
     const TimePoint there = w.clock->now() + half;
-    co_await async_sleep_until(*w.clock, there);
+    co_await async_sleep_until(*p.clock, there);
     ChargeResult c;
     std::exception_ptr timed_out;
     if (fault) w.bank->inject(*fault);  // for this charge: the next one the provider starts
@@ -640,12 +709,12 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
       timed_out = std::current_exception();
     }
     const TimePoint back = w.clock->now() + half;
-    co_await async_sleep_until(*w.clock, back);
+    co_await async_sleep_until(*p.clock, back);
     if (timed_out) std::rethrow_exception(timed_out);
     if (r.stall.count() > 0) {
-      w.note(fmt::format("c{}", r.id), fmt::format("stalls {}ms", r.stall.count()));
+      if (w.tracing) w.note(fmt::format("c{}", r.id), fmt::format("stalls {}ms", r.stall.count()));
       const TimePoint until = w.clock->now() + r.stall;
-      co_await async_sleep_until(*w.clock, until);
+      co_await async_sleep_until(*p.clock, until);
     }
     co_return answer_of(r, key, c);
   };
@@ -656,12 +725,12 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
                             fault](Attempt& a) -> net::awaitable<Response> {
     if (!p.alive) throw ProcessDied();
     w.progressed(key, call);
-    w.note(fmt::format("c{}", r.id), fmt::format("runs the steps on p{}", p.slot));
-    AsyncExternalCall pay = [&w, &r, key, fault,
+    if (w.tracing) w.note(fmt::format("c{}", r.id), fmt::format("runs the steps on p{}", p.slot));
+    AsyncExternalCall pay = [&w, &r, &p, key, fault,
                              exec](const std::string& derived) -> net::awaitable<std::string> {
       const milliseconds half = w.plan.config.latency / 2;
       const TimePoint there = w.clock->now() + half;
-      co_await async_sleep_until(*w.clock, there);
+      co_await async_sleep_until(*p.clock, there);
       if (fault) w.psp->inject(*fault);
       ChargeResult c;
       std::exception_ptr timed_out;
@@ -672,7 +741,7 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
         timed_out = std::current_exception();
       }
       const TimePoint back = w.clock->now() + half;
-      co_await async_sleep_until(*w.clock, back);
+      co_await async_sleep_until(*p.clock, back);
       if (timed_out) std::rethrow_exception(timed_out);
       co_return c.declined ? std::string("declined") : c.charge_id;
     };
@@ -703,16 +772,24 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
   auto lost = [&] { return !p.alive || p.generation != generation; };
   bool final = false;
   std::string said;
+  if (r.operation == kCheckout) {
+    // A multi-step operation never runs unreserved: under InFlight::run it waits.
+    if (w.plan.config.policy == InFlight::run) request.in_flight = InFlight::wait;
+    request.payload = fmt::format("{}", r.amount);
+  }
+  // The process serves the request in a coroutine of its own; the client waits for the answer
+  // or the process's death.
+  auto reply = std::make_shared<Reply>(*w.io);
+  p.waiting.insert(reply.get());
+  spawn(w, serve(p, std::move(request), r.operation == kCheckout, std::move(action),
+                 std::move(steps), reply));
+  boost::system::error_code ec;
+  co_await reply->wake.async_wait(net::redirect_error(net::use_awaitable, ec));
+  p.waiting.erase(reply.get());
   try {
-    Outcome o;
-    if (r.operation == kCheckout) {
-      // A multi-step operation never runs unreserved: under InFlight::run it waits.
-      if (w.plan.config.policy == InFlight::run) request.in_flight = InFlight::wait;
-      request.payload = fmt::format("{}", r.amount);
-      o = co_await async_call_steps(*p.coordinator, std::move(request), std::move(steps));
-    } else {
-      o = co_await async_call(*p.coordinator, std::move(request), std::move(action));
-    }
+    if (!reply->done) throw ProcessDied();
+    if (reply->error) std::rethrow_exception(reply->error);
+    const Outcome& o = *reply->outcome;
     if (lost()) {
       said = "gets no answer: its process died";
     } else {
@@ -720,8 +797,9 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
                           (o.source == Outcome::Source::executed && o.expires_at != TimePoint{});
       if (o.source == Outcome::Source::executed && stored) w.executions[exec].clean = true;
       w.answers.push_back({r.id, key, o.response.status, o.response.body, o.source, stored});
-      said = fmt::format("<- {} {}{}", o.response.status, o.response.body,
-                         o.replayed() ? " (replayed)" : "");
+      if (w.tracing)
+        said = fmt::format("<- {} {}{}", o.response.status, o.response.body,
+                           o.replayed() ? " (replayed)" : "");
       final = true;
       if (o.source == Outcome::Source::executed && stored) w.freed(key);
     }
@@ -737,7 +815,7 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
   } catch (const LeaseLostError&) {
     said = "<- 500 lease lost";
   } catch (const StoreError& e) {
-    said = fmt::format("<- 503 {}", e.what());
+    if (w.tracing) said = fmt::format("<- 503 {}", e.what());
   } catch (const ProviderTimeout&) {
     said = "<- 504 provider timed out";
     if (!lost()) w.freed(key);
@@ -751,7 +829,7 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
     final = true;
   }
   w.progressed(key, call);
-  w.note(who, said);
+  if (w.tracing) w.note(who, said);
   co_return final;
 }
 
@@ -771,12 +849,6 @@ net::awaitable<void> client(World& w, const PlannedRequest& r) {
     co_await async_sleep_until(*w.clock, until);
   }
   ++w.finished_clients;
-}
-
-void spawn(World& w, net::awaitable<void> task) {
-  net::co_spawn(*w.io, std::move(task), [](std::exception_ptr e) {
-    if (e) std::rethrow_exception(e);
-  });
 }
 
 void World::run() {
@@ -913,7 +985,8 @@ void Recorder::seen(const StoreOp& op) {
                                op.reservation.token, k.newest_token));
       }
       k.newest_token = std::max(k.newest_token, op.reservation.token);
-      w_.note("store", fmt::format("{} reserved with token {}", key, op.reservation.token));
+      if (w_.tracing)
+        w_.note("store", fmt::format("{} reserved with token {}", key, op.reservation.token));
       return;
     case StoreOp::Kind::complete:
     case StoreOp::Kind::release:

@@ -10,8 +10,9 @@ namespace idem::sim::sql {
 // a step that ran twice shows as two rows).
 inline constexpr std::string_view kCreateOrders =
     "CREATE TABLE IF NOT EXISTS sim_orders (order_key TEXT NOT NULL, charge_id TEXT NOT NULL)";
-inline constexpr std::string_view kClearStore =
-    "DELETE FROM idem_keys; DELETE FROM idem_outbox; DELETE FROM sim_orders";
+inline constexpr std::string_view kClearKeys = "DELETE FROM idem_keys";
+inline constexpr std::string_view kClearOutbox = "DELETE FROM idem_outbox";
+inline constexpr std::string_view kClearOrders = "DELETE FROM sim_orders";
 // ?1 the operation's key ?2 the charge it paid with.
 inline constexpr std::string_view kInsertOrder =
     "INSERT INTO sim_orders (order_key, charge_id) VALUES (?1, ?2)";

@@ -49,7 +49,7 @@ struct TraceEvent {
 };
 
 struct ScenarioOptions {
-  // Requests per scenario (each retried by its client); 0: drawn from the seed (2 to 8).
+  // Requests per scenario (each retried by its client); 0: drawn from the seed (2 to 6).
   std::size_t requests = 0;
   // Record the trace (slower; simulate() records it anyway when it shrinks a failure).
   bool trace = false;
