@@ -46,8 +46,8 @@ struct TimelineEvent {
   long long at_ms = 0;  // simulated time, from the run's start
   std::string lane;     // the participant it happens to
   Mark mark = Mark::note;
-  std::string text;    // the short label drawn beside the mark (keep it under ~24 characters)
-  std::string detail;  // a longer description shown as the mark's tooltip; empty: `text`
+  std::string text;      // the short label drawn beside the mark (keep it under ~24 characters)
+  std::string detail{};  // a longer description shown as the mark's tooltip; empty: `text`
 };
 
 struct TimelinePanel {
