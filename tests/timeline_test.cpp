@@ -90,7 +90,7 @@ std::unique_ptr<Element> parse_xml(const std::string& xml) {
   });
   const XML_Status status =
       XML_Parse(parser.get(), xml.data(), static_cast<int>(xml.size()), XML_TRUE);
-  INFO("expat: ", XML_ErrorString(XML_GetErrorCode(parser.get())), " at line ",
+  INFO("expat: ", std::string(XML_ErrorString(XML_GetErrorCode(parser.get()))), " at line ",
        XML_GetCurrentLineNumber(parser.get()));
   REQUIRE(status == XML_STATUS_OK);
   REQUIRE(p.root != nullptr);
