@@ -273,7 +273,8 @@ TEST_CASE("timeline: events at one instant on one lane are stacked, never drawn 
 }
 
 TEST_CASE(
-    "demo: table --svg figures all parse; in-flight shows 2 charges for run, 1 for wait, raise") {
+    "demo: table --svg figures all parse, and in-flight shows 2 charges for run, 1 for wait and "
+    "raise") {
   idem::test::TempDir dir;
   const std::filesystem::path out = std::filesystem::path(dir.file("figures")) / "nested";
   const auto written = idem::demo::write_table_figures(out);
