@@ -15,6 +15,10 @@ int main(int argc, char** argv) {
   CLI::App* table = app.add_subcommand("table", "Print the comparison table (the default)");
   table->add_flag("--timeline", timeline, "Show each scenario's events on its clock");
   table->add_flag("--real-time", real_time, "Real 300 ms timers instead of the simulated clock");
+  std::string svg_dir;
+  table->add_option("--svg", svg_dir,
+                    "Also draw each scenario as an SVG sequence diagram into this directory "
+                    "(created if missing); prints the paths written");
 
   idem::demo::ChargeArgs c;
   std::string dedup = "on";
@@ -190,6 +194,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     std::cout << idem::demo::render_table(real_time, timeline);
+    if (!svg_dir.empty()) {
+      for (const auto& path : idem::demo::write_table_figures(svg_dir))
+        std::cout << "wrote " << path.string() << '\n';
+    }
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "idem-demo: " << e.what() << '\n';

@@ -12,6 +12,7 @@
 
 #include <stdlib.h>
 #include <filesystem>
+#include <fstream>
 
 #include "checkout.hpp"
 #include "idem/asio.hpp"
@@ -28,8 +29,74 @@ namespace {
 
 namespace net = boost::asio;
 using namespace std::chrono_literals;
+using sim::Mark;
 
 constexpr auto kLatency = 300ms;
+
+// How the SVG draws a coordinator log event (lib/src logs these names): its mark and a
+// short label.
+std::pair<Mark, std::string> drawn(const LogEvent& e) {
+  struct Kind {
+    std::string_view event;
+    Mark mark;
+    std::string_view label;  // empty: the event's message
+  };
+  static constexpr Kind kinds[] = {
+      {"reserved", Mark::reserve, "reserved"},
+      {"taken_over", Mark::takeover, "took over (lease over)"},
+      {"waiting", Mark::wait, "waits"},
+      {"replayed", Mark::replay, "replays"},
+      {"in_progress", Mark::conflict, "409 in progress"},
+      {"key_reuse", Mark::reuse, "422 key reuse"},
+      {"released", Mark::release, "released (failed)"},
+      {"completed", Mark::complete, "completed"},
+      {"store_race_lost", Mark::note, "lost store race"},
+      {"cache_miss", Mark::note, "no result: runs"},
+      {"store_unavailable", Mark::error, "store unreachable"},
+      {"release_failed", Mark::error, "release failed"},
+      {"complete_failed", Mark::error, "complete failed"},
+      {"interrupted", Mark::error, "interrupted"},
+      {"lease_lost", Mark::error, "lease lost"},
+      {"step_recorded", Mark::note, ""},
+      {"step_reconciled", Mark::note, ""},
+      {"resumed", Mark::note, ""},
+      {"completed_abandoned", Mark::note, "finished abandoned op"},
+  };
+  for (const Kind& k : kinds)
+    if (k.event == e.event) return {k.mark, std::string(k.label.empty() ? e.message : k.label)};
+  return {Mark::note, std::string(e.event)};
+}
+
+// How the SVG draws a line of the simulated provider (simulator/src/provider.cpp).
+std::pair<Mark, std::string> drawn_provider(const std::string& line) {
+  constexpr std::string_view charged = "provider: charged ";
+  if (line.starts_with(charged)) {
+    const std::string id =
+        line.substr(charged.size(), line.find(' ', charged.size()) - charged.size());
+    return {Mark::charge, line.find("answer lost") != std::string::npos
+                              ? "charged " + id + ", answer lost"
+                              : "charged " + id};
+  }
+  if (line.find("timed out") != std::string::npos) return {Mark::error, "timed out, no charge"};
+  if (line.find("declined") != std::string::npos) return {Mark::note, "declined"};
+  if (line.find("duplicate") != std::string::npos) return {Mark::note, "duplicate recognised"};
+  return {Mark::note, line};
+}
+
+// A client's answer as the SVG labels it: "ch_1", "409 in progress", ...
+std::string short_answer(const std::string& text) {
+  if (text == "IdempotencyInProgressError") return "409 in progress";
+  if (text == "IdempotencyKeyReuseError") return "422 key reuse";
+  if (text == "StoreUnavailable") return "503 store unavailable";
+  if (text == "provider timed out") return "504 timed out";
+  return text;
+}
+std::string answer_label(const std::string& text) { return "<- " + short_answer(text); }
+std::vector<std::string> answers(const std::vector<std::string>& texts) {
+  std::vector<std::string> out;
+  for (const std::string& t : texts) out.push_back(short_answer(t));
+  return out;
+}
 
 // One scenario's world: a clock, one store, one provider, one coordinator.
 struct Scenario {
@@ -54,12 +121,15 @@ struct Scenario {
     options.clock = clock;
     if (run.timeline != nullptr) {
       options.log = [this](const LogEvent& e) {
+        auto [mark, label] = drawn(e);
         run.timeline->add(ms(e.at), "idem",
                           fmt::format("{} key {}{}{}", e.event, e.key_hash,
-                                      e.message.empty() ? "" : ": ", e.message));
+                                      e.message.empty() ? "" : ": ", e.message),
+                          mark, std::move(label));
       };
       provider->on_event([this](TimePoint at, const std::string& line) {
-        run.timeline->add(ms(at), "bank", line);
+        auto [mark, label] = drawn_provider(line);
+        run.timeline->add(ms(at), "bank", line, mark, std::move(label));
       });
     }
     idem = std::make_unique<Coordinator>(store, std::move(options));
@@ -67,8 +137,9 @@ struct Scenario {
 
   long long ms(TimePoint t) const { return (t - start).count(); }
 
-  void note(const std::string& who, const std::string& what) {
-    if (run.timeline != nullptr) run.timeline->add(ms(clock->now()), who, what);
+  void note(const std::string& who, const std::string& what, Mark mark, std::string label) {
+    if (run.timeline != nullptr)
+      run.timeline->add(ms(clock->now()), who, what, mark, std::move(label));
   }
 
   void drive() {
@@ -99,7 +170,7 @@ struct Answer {
 net::awaitable<void> client(Scenario& s, std::string label, long long amount,
                             std::chrono::milliseconds at, Answer& out) {
   co_await async_sleep_until(*s.clock, s.start + at);
-  s.note(label, "sends the request");
+  s.note(label, "sends the request", Mark::send, "sends");
   // Named locals, not temporaries, in a co_await expression: g++ 12 can destroy such
   // temporaries twice.
   Request request = charge_request(amount);
@@ -121,7 +192,7 @@ net::awaitable<void> client(Scenario& s, std::string label, long long amount,
   } catch (const sim::ProviderTimeout& e) {
     out = {"provider timed out", 504};
   }
-  s.note(label, "<- " + out.text);
+  s.note(label, "<- " + out.text, Mark::answer, answer_label(out.text));
 }
 
 // Clients one after another, each sending when the previous one has its answer. (A named
@@ -152,8 +223,10 @@ std::string py_list(const std::vector<std::string>& items) {
 
 }  // namespace
 
-void Timeline::add(long long at_ms, std::string who, std::string what) {
-  events_.push_back({at_ms, std::move(who), std::move(what)});
+void Timeline::add(long long at_ms, std::string who, std::string what, Mark mark,
+                   std::string label) {
+  if (label.empty()) label = what;
+  events_.push_back({at_ms, std::move(who), std::move(what), mark, std::move(label)});
 }
 
 std::vector<std::string> Timeline::lines() const {
@@ -164,6 +237,22 @@ std::vector<std::string> Timeline::lines() const {
   for (const Event& e : sorted)
     out.push_back(fmt::format("    t={:>4} ms  {:<6} {}", e.at_ms, e.who, e.what));
   return out;
+}
+
+sim::TimelinePanel Timeline::panel(std::string title, std::string caption) const {
+  sim::TimelinePanel p;
+  p.title = std::move(title);
+  p.caption = std::move(caption);
+  for (const Event& e : events_) {
+    if (std::find(p.lanes.begin(), p.lanes.end(), e.who) == p.lanes.end()) p.lanes.push_back(e.who);
+    p.events.push_back(sim::TimelineEvent{e.at_ms, e.who, e.mark, e.label, e.what});
+  }
+  auto rank = [](const std::string& lane) {
+    return lane == "idem" ? 1 : lane == "bank" ? 2 : lane == "mail" ? 3 : 0;
+  };
+  std::stable_sort(p.lanes.begin(), p.lanes.end(),
+                   [&](const std::string& a, const std::string& b) { return rank(a) < rank(b); });
+  return p;
 }
 
 InFlightRow in_flight_row(InFlight policy, const RunOptions& run) {
@@ -266,18 +355,23 @@ CheckoutCrash one_checkout_crash(const std::string& point, bool retried, Timelin
   options.heartbeat = 0ms;
   if (timeline != nullptr) {
     options.log = [&](const LogEvent& e) {
+      auto [mark, label] = drawn(e);
       timeline->add(at_ms(e.at), "idem",
-                    fmt::format("{}{}{}", e.event, e.message.empty() ? "" : ": ", e.message));
+                    fmt::format("{}{}{}", e.event, e.message.empty() ? "" : ": ", e.message), mark,
+                    std::move(label));
     };
-    provider.on_event(
-        [&](TimePoint t, const std::string& line) { timeline->add(at_ms(t), "bank", line); });
+    provider.on_event([&](TimePoint t, const std::string& line) {
+      auto [mark, label] = drawn_provider(line);
+      timeline->add(at_ms(t), "bank", line, mark, std::move(label));
+    });
   }
   Coordinator idem(store, options);
   create_orders_table(db);
   Dispatcher dispatcher(idem, [&](const OutboxMessage& m) {
     mail_delivery(mail)(m);
     if (timeline != nullptr)
-      timeline->add(at_ms(clock->now()), "mail", "receipt delivered " + m.id);
+      timeline->add(at_ms(clock->now()), "mail", "receipt delivered " + m.id, Mark::note,
+                    "receipt delivered");
   });
   const CheckoutRequest order{"alpha", "A-10023", 4990, "RUB", "buyer@example.com"};
   Request request;
@@ -306,7 +400,8 @@ CheckoutCrash one_checkout_crash(const std::string& point, bool retried, Timelin
     idem.call_steps(request, flow([&](std::string_view at) {
                       if (at == point) {
                         if (timeline != nullptr)
-                          timeline->add(at_ms(clock->now()), "shop", "the process dies " + point);
+                          timeline->add(at_ms(clock->now()), "shop", "the process dies " + point,
+                                        Mark::crash, "dies " + point);
                         throw Died{};
                       }
                     }));
@@ -320,13 +415,15 @@ CheckoutCrash one_checkout_crash(const std::string& point, bool retried, Timelin
   clock->advance(retried ? 11s : 45s);
   if (retried) {
     if (timeline != nullptr)
-      timeline->add(at_ms(clock->now()), "client", "retries with the same key");
+      timeline->add(at_ms(clock->now()), "client", "retries with the same key", Mark::send,
+                    "retries, same key");
     idem.call_steps(request, noting);
   } else {
     Completer completer(idem, CompleterOptions{.abandoned_after = 30s});
     completer.on("checkout", noting);
     if (timeline != nullptr)
-      timeline->add(at_ms(clock->now()), "completer", "looks for abandoned operations");
+      timeline->add(at_ms(clock->now()), "completer", "looks for abandoned operations", Mark::send,
+                    "looks for abandoned ops");
     completer.run_once();
   }
   dispatcher.run_once();
@@ -452,6 +549,98 @@ std::string render_table(bool real_time, bool with_timeline) {
     }
   }
   return out;
+}
+
+std::vector<Figure> table_figures() {
+  std::vector<Figure> figures;
+  auto figure = [&figures](std::string file, std::string_view title,
+                           const std::vector<sim::TimelinePanel>& panels) {
+    figures.push_back(Figure{std::move(file), sim::timeline_svg(title, panels)});
+  };
+  {
+    std::vector<sim::TimelinePanel> panels;
+    const std::pair<InFlight, const char*> rows[] = {{InFlight::run, "a result cache"},
+                                                     {InFlight::wait, "the default"},
+                                                     {InFlight::raise, "409 for the second"}};
+    for (const auto& [policy, label] : rows) {
+      Timeline t;
+      const InFlightRow row = in_flight_row(policy, {false, &t});
+      panels.push_back(
+          t.panel(fmt::format("in_flight='{}' ({})", to_string(policy), label),
+                  fmt::format("answers: {}; charges: {}", fmt::join(answers(row.responses), ", "),
+                              fmt::join(row.charges, ", "))));
+    }
+    figure("in-flight.svg",
+           "In-flight duplicate: req1 at t=0, the same request again at t=50 ms, provider "
+           "latency 300 ms",
+           panels);
+  }
+  {
+    Timeline t;
+    const KeyReuse k = key_reuse({false, &t});
+    figure("key-reuse.svg", "Key reuse: the same key with the same amount, then with amount 5",
+           {t.panel("same key: replay, then 422",
+                    fmt::format("{}; then {}", k.same_amount, k.other_amount))});
+  }
+  {
+    Timeline t;
+    const FailureNotCached f = failure_not_cached({false, &t});
+    figure("failure-not-cached.svg",
+           "Failures are not cached: the provider times out, the client retries",
+           {t.panel("released on failure, charged on retry",
+                    fmt::format("first: {}; second: {}", f.first, f.second))});
+  }
+  {
+    std::vector<sim::TimelinePanel> panels;
+    for (FailureMode mode : {FailureMode::fail_open, FailureMode::fail_closed}) {
+      Timeline t;
+      const StoreUnreachable u = store_unreachable(mode, {false, &t});
+      panels.push_back(t.panel(mode == FailureMode::fail_open ? "fail_open" : "fail_closed",
+                               fmt::format("outcome: {}", u.outcome)));
+    }
+    figure("store-unreachable.svg", "The idempotency store is unreachable", panels);
+  }
+  for (InFlight policy : {InFlight::raise, InFlight::wait}) {
+    Timeline t;
+    const HttpView v = http_view(policy, {false, &t});
+    const auto n200 = std::count(v.statuses.begin(), v.statuses.end(), 200);
+    figure(fmt::format("http-view-{}.svg", to_string(policy)),
+           "HTTP view: 20 identical requests with one Idempotency-Key, all at once",
+           {t.panel(fmt::format("in_flight='{}'", to_string(policy)),
+                    fmt::format("{} x 200, {} other", n200,
+                                static_cast<long>(v.statuses.size()) - n200))});
+  }
+  const std::pair<const char*, bool> crashes[] = {{"after debited", true},
+                                                  {"after order_created", true},
+                                                  {"after notified", true},
+                                                  {"after debited", false}};
+  for (const auto& [point, retried] : crashes) {
+    Timeline t;
+    const CheckoutCrash c = checkout_crash(point, retried, {false, &t});
+    std::string name = c.point.substr(c.point.find(' ') + 1);
+    std::replace(name.begin(), name.end(), '_', '-');
+    figure(fmt::format("checkout-dies-after-{}{}.svg", name, retried ? "" : "-completer"),
+           fmt::format("Seed 000's checkout (debit, order, mail) dies {}; {}", c.point,
+                       retried ? "the client retries" : "no retry: the completer finishes it"),
+           {t.panel(fmt::format("dies {}", c.point),
+                    fmt::format("end: debits={} orders={} mails={} (resumed after '{}')",
+                                c.end_debits, c.end_orders, c.end_mails, c.resumed_from))});
+  }
+  return figures;
+}
+
+std::vector<std::filesystem::path> write_table_figures(const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  std::vector<std::filesystem::path> written;
+  for (const Figure& f : table_figures()) {
+    const std::filesystem::path path = dir / f.file;
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << f.svg;
+    out.close();
+    if (!out) throw std::runtime_error("cannot write " + path.string());
+    written.push_back(path);
+  }
+  return written;
 }
 
 }  // namespace idem::demo

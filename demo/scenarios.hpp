@@ -4,27 +4,38 @@
 #pragma once
 
 #include <cstddef>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "idem/options.hpp"
+#include "idem/sim/timeline.hpp"
 
 namespace idem::demo {
 
-// Events of one scenario on its clock, for `table --timeline`.
+// Events of one scenario on its clock, for `table --timeline` and `table --svg`.
+// Thread-safety: none; one scenario records into it from its own thread.
 class Timeline {
  public:
-  void add(long long at_ms, std::string who, std::string what);
+  // `what` is the text line's description; `mark` and `label` (default: `what`) are how the
+  // SVG draws the event.
+  void add(long long at_ms, std::string who, std::string what, sim::Mark mark = sim::Mark::note,
+           std::string label = {});
   // Lines "    t=  50 ms  req2   sends the request", in time order (stable for ties).
   std::vector<std::string> lines() const;
   bool empty() const { return events_.empty(); }
+  // The events as one panel of a figure: lanes are the clients in order of first
+  // appearance, then idem, bank and mail.
+  sim::TimelinePanel panel(std::string title, std::string caption = {}) const;
 
  private:
   struct Event {
     long long at_ms;
     std::string who;
     std::string what;
+    sim::Mark mark;
+    std::string label;
   };
   std::vector<Event> events_;
 };
@@ -75,6 +86,18 @@ HttpView http_view(InFlight policy, const RunOptions& run = {});
 
 // The whole table as `idem-demo table` prints it.
 std::string render_table(bool real_time, bool with_timeline);
+
+// The table's scenarios as pictures (simulated time): one SVG sequence diagram per scenario,
+// named for it ("in-flight.svg" holds the run, wait and raise rows side by side).
+struct Figure {
+  std::string file;  // "in-flight.svg", "key-reuse.svg", ...
+  std::string svg;
+};
+std::vector<Figure> table_figures();
+// Writes table_figures() into `dir` (created if missing) and returns the paths written.
+// Throws std::runtime_error naming a file it cannot write (and std::filesystem_error when
+// `dir` cannot be created).
+std::vector<std::filesystem::path> write_table_figures(const std::filesystem::path& dir);
 
 // Seed 000's checkout (debit -> order -> mail, demo/checkout.hpp) dies at one point; then a
 // retry comes (or, for the last row, none comes and the completer finishes it). Counts of the
