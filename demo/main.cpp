@@ -62,6 +62,8 @@ int main(int argc, char** argv) {
   simulate->add_option("--minutes", sim.minutes, "Run fresh random seeds for this long instead")
       ->check(CLI::NonNegativeNumber);
   simulate->add_flag("--trace", sim.trace, "Print every scenario's trace, not only failures'");
+  simulate->add_option("--svg", sim.svg,
+                       "Draw the first failing scenario (else the first) as an SVG timeline");
   simulate
       ->add_option("--mutation", sim.mutation,
                    "Break idem on purpose to watch the simulator catch it")

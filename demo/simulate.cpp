@@ -3,8 +3,11 @@
 
 #include <chrono>
 #include <ctime>
+#include <fstream>
 #include <iostream>
+#include <optional>
 #include <random>
+#include <span>
 #include <stdexcept>
 
 #include "commands.hpp"
@@ -40,13 +43,17 @@ int run_simulate(const SimulateArgs& args) {
   std::uint64_t ran = 0, failed = 0;
   std::size_t requests = 0, attempts = 0, events = 0, crashes = 0, faults = 0;
   long long simulated_ms = 0;
+  std::optional<sim::ScenarioResult> drawn;  // the first failure, else the first scenario
   sim::ScenarioOptions options;
   options.requests = args.steps;
   options.trace = args.trace;
   for (;; ++seed) {
     if (args.minutes > 0 ? std::chrono::steady_clock::now() >= wall_end : ran >= args.scenarios)
       break;
-    const sim::ScenarioResult r = sim::simulate(seed, options);
+    sim::ScenarioOptions this_one = options;
+    this_one.trace = options.trace || (!args.svg.empty() && !drawn);
+    const sim::ScenarioResult r = sim::simulate(seed, this_one);
+    if (!args.svg.empty() && (!drawn || (drawn->ok() && !r.ok())) && !r.trace.empty()) drawn = r;
     ++ran;
     requests += r.requests;
     attempts += r.attempts;
@@ -62,6 +69,14 @@ int run_simulate(const SimulateArgs& args) {
     }
   }
   const double cpu = cpu_seconds() - cpu_start;
+  if (drawn) {
+    const sim::TimelinePanel panel = sim::timeline_of(*drawn);
+    std::ofstream out(args.svg, std::ios::binary | std::ios::trunc);
+    out << sim::timeline_svg(fmt::format("idem-demo simulate --seed {}", drawn->seed),
+                             std::span<const sim::TimelinePanel>(&panel, 1));
+    if (!out) throw std::runtime_error(fmt::format("cannot write {}", args.svg));
+    std::cout << "wrote " << args.svg << " (seed " << drawn->seed << ")\n";
+  }
   const double n = ran == 0 ? 1.0 : static_cast<double>(ran);
   std::cout << fmt::format(
       "simulated {} scenarios (seeds {}..{}): {} failed\n"

@@ -246,6 +246,35 @@ std::string describe_plan(const Plan& p) {
 
 // ---- the run ---------------------------------------------------------------------------------
 
+// How a timeline draws a trace line, from who said it and what.
+Mark classify(const std::string& who, const std::string& what) {
+  auto starts = [&](std::string_view p) { return what.starts_with(p); };
+  if (who == "check") return Mark::error;
+  if (who.starts_with("idem@")) {
+    static const std::map<std::string, Mark, std::less<>> kEvents = {
+        {"reserved", Mark::reserve},      {"taken_over", Mark::takeover},
+        {"completed", Mark::complete},    {"released", Mark::release},
+        {"replayed", Mark::replay},       {"in_progress", Mark::conflict},
+        {"waiting", Mark::wait},          {"key_reuse", Mark::reuse},
+        {"lease_lost", Mark::error},      {"store_unavailable", Mark::error},
+        {"complete_failed", Mark::error}, {"release_failed", Mark::error}};
+    const auto it = kEvents.find(what.substr(0, what.find(' ')));
+    return it == kEvents.end() ? Mark::note : it->second;
+  }
+  if (who == "bank" || who == "psp")
+    return what.find("charged") != std::string::npos ? Mark::charge : Mark::error;
+  if (who.starts_with("p")) return starts("crashes") ? Mark::crash : Mark::note;
+  if (who.starts_with("c")) {
+    if (starts("sends")) return Mark::send;
+    if (starts("<- 200") || starts("<- 402"))
+      return what.ends_with("(replayed)") ? Mark::replay : Mark::answer;
+    if (starts("<- 409")) return Mark::conflict;
+    if (starts("<- 422")) return Mark::reuse;
+    if (starts("<-") || starts("gets no answer")) return Mark::error;
+  }
+  return Mark::note;
+}
+
 // What scenarios on one thread share, so a scenario costs what it does and not what opening
 // databases costs: one database in SQLite's memdb VFS (connections opening the same name share
 // it, as processes share a file; file I/O faults are the fault VFS's tests'), the store
@@ -472,7 +501,9 @@ struct World {
 
   long long ms(TimePoint t) const { return (t - start).count(); }
   void note_at(TimePoint at, std::string who, std::string what) {
-    if (tracing) trace.push_back({ms(at), std::move(who), std::move(what)});
+    if (!tracing) return;
+    const Mark mark = classify(who, what);
+    trace.push_back({ms(at), std::move(who), std::move(what), mark});
   }
   void note(std::string who, std::string what) {
     note_at(clock->now(), std::move(who), std::move(what));
@@ -1105,6 +1136,68 @@ std::string describe(const ScenarioResult& r) {
       out += fmt::format("  t={:>6}ms  {:<8} {}\n", e.at_ms, e.who, e.what);
   }
   return out;
+}
+
+namespace {
+
+// A trace line in a few words, for a mark's label (the whole line is its tooltip).
+std::string short_label(const TraceEvent& e) {
+  const std::string& w = e.what;
+  auto charge_id = [&]() -> std::string {
+    const auto at = w.find("\"charge_id\":\"");
+    if (at == std::string::npos) return "";
+    const auto from = at + 13;
+    return " " + w.substr(from, w.find('"', from) - from);
+  };
+  std::string out;
+  if (e.who.starts_with("idem@")) {
+    out = w.substr(0, w.find(' '));
+  } else if (e.who == "bank" || e.who == "psp") {
+    out = w.starts_with("provider: ") ? w.substr(10) : w;
+    out = out.substr(0, out.find(" for "));
+  } else if (e.who == "check") {
+    out = w.substr(0, w.find(':'));
+  } else if (w.starts_with("sends ") && w.find(" amount ") != std::string::npos) {
+    out = "sends" + w.substr(w.find(" amount ") + 7);
+  } else if (w.starts_with("<- ")) {
+    out = w.substr(0, 6) + charge_id() + (w.ends_with("(replayed)") ? " replayed" : "");
+    if (charge_id().empty()) out = w;
+  } else {
+    out = w;
+  }
+  return out.size() > 26 ? out.substr(0, 25) + "…" : out;
+}
+
+}  // namespace
+
+TimelinePanel timeline_of(const ScenarioResult& r) {
+  TimelinePanel panel;
+  panel.title = fmt::format("seed {}{}", r.seed, r.ok() ? "" : " (failed)");
+  if (!r.violations.empty())
+    panel.caption = fmt::format("violated {}", to_string(r.violations.front().invariant));
+  std::set<std::string> clients, idems;
+  for (const auto& e : r.trace) {
+    if (e.who == "store") continue;  // the recorder's view repeats idem's
+    if (e.who.starts_with("c") && e.who != "check") clients.insert(e.who);
+    if (e.who.starts_with("idem@")) idems.insert(e.who);
+  }
+  // c1, c2, ..., c10 in number order.
+  std::vector<std::string> ordered(clients.begin(), clients.end());
+  std::sort(ordered.begin(), ordered.end(), [](const std::string& a, const std::string& b) {
+    return a.size() != b.size() ? a.size() < b.size() : a < b;
+  });
+  panel.lanes = ordered;
+  panel.lanes.insert(panel.lanes.end(), idems.begin(), idems.end());
+  for (const char* provider : {"bank", "psp"}) {
+    if (std::any_of(r.trace.begin(), r.trace.end(),
+                    [&](const auto& e) { return e.who == provider; }))
+      panel.lanes.push_back(provider);
+  }
+  for (const auto& e : r.trace) {
+    if (e.who == "store") continue;
+    panel.events.push_back({e.at_ms, e.who, e.mark, short_label(e), e.what});
+  }
+  return panel;
 }
 
 }  // namespace idem::sim

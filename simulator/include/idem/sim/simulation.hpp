@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "idem/sim/timeline.hpp"
+
 namespace idem::sim {
 
 // What a scenario checks. Each violation names one.
@@ -44,8 +46,9 @@ struct Violation {
 // One line of a scenario's trace, on its simulated clock.
 struct TraceEvent {
   long long at_ms = 0;  // since the scenario's start
-  std::string who;      // "c3" (client 3), "p1" (process 1), "idem@p1", "bank", "world"
+  std::string who;      // "c3" (client 3), "p1" (process 1), "idem@p1", "bank", "psp", "check"
   std::string what;
+  Mark mark = Mark::note;  // how a timeline draws it
 };
 
 struct ScenarioOptions {
@@ -75,5 +78,9 @@ ScenarioResult simulate(std::uint64_t seed, const ScenarioOptions& options = {})
 
 // The seed, plan, violations and trace, for a person reading a failure.
 std::string describe(const ScenarioResult& result);
+
+// The trace as a timeline panel (clients, idem in each process, the providers as lanes), for
+// timeline_svg(). Empty when the trace was not recorded.
+TimelinePanel timeline_of(const ScenarioResult& result);
 
 }  // namespace idem::sim
