@@ -65,6 +65,9 @@ struct TempDir {
 
 struct World {
   TempDir dir;
+  // One io_context for the whole run, as in the server: the operator routes' thread posts
+  // back to it, and may still be letting go of it after the reply is out.
+  boost::asio::io_context io;
   std::shared_ptr<idem::sim::SimulatedClock> clock;
   std::unique_ptr<idem::demo::PaymentsApi> api;
   std::size_t inputs = 0;
@@ -145,9 +148,8 @@ void check_sent(const std::string& bytes, unsigned status, bool head) {
 }
 
 // Runs the API on one request until its reply is ready.
-idem::demo::Reply serve(idem::demo::PaymentsApi& api, idem::sim::SimulatedClock& clock,
-                        idem::demo::Request req) {
-  boost::asio::io_context io;
+idem::demo::Reply serve(boost::asio::io_context& io, idem::demo::PaymentsApi& api,
+                        idem::sim::SimulatedClock& clock, idem::demo::Request req) {
   std::optional<idem::demo::Reply> reply;
   std::exception_ptr threw;
   boost::asio::co_spawn(io, api.handle(std::move(req), idem::demo::Peer{"127.0.0.1"}),
@@ -201,7 +203,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const bool head = req.method() == bh::verb::head;
     if (head) req.method(bh::verb::get);
     const std::size_t charges_before = api.provider().charge_count();
-    idem::demo::Reply reply = serve(api, *world.clock, std::move(req));
+    idem::demo::Reply reply = serve(world.io, api, *world.clock, std::move(req));
     const unsigned status = reply.result_int();
     if (std::getenv("IDEM_FUZZ_TRACE") != nullptr) {
       std::fprintf(stderr, "server_fuzz: request %d -> %u %s\n", n, status, reply.body().c_str());
