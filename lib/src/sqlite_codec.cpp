@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "idem/errors.hpp"
@@ -53,7 +54,15 @@ Progress progress_from_json(std::string_view text) {
   Progress p;
   try {
     const nlohmann::json j = nlohmann::json::parse(text);
-    p.origin = j.at("origin").get<std::int64_t>();
+    // An integer that fits: nlohmann converts a float (1e300) with a cast that is undefined
+    // behaviour when out of range.
+    const nlohmann::json& origin = j.at("origin");
+    if (!origin.is_number_integer() ||
+        (origin.is_number_unsigned() &&
+         origin.get<std::uint64_t>() > std::uint64_t{std::numeric_limits<std::int64_t>::max()})) {
+      throw StoreError("sqlite: a stored progress column's origin is not a 64-bit integer", 0);
+    }
+    p.origin = origin.get<std::int64_t>();
     for (const auto& s : j.at("steps")) {
       p.steps.push_back(
           {s.at(0).get<std::string>(), s.at(1).get<std::string>(), s.at(2).get<bool>()});
