@@ -1,6 +1,9 @@
 #include "sqlite_codec.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "idem/errors.hpp"
@@ -20,6 +23,15 @@ std::vector<Header> headers_from_json(const std::string& text) {
                      0);
   }
   return out;
+}
+
+// A column that must hold an integer (the table is STRICT, so only a corrupt or foreign
+// file holds anything else).
+std::int64_t integer(const sqlite::Statement& s, int column, std::string_view name) {
+  if (s.type(column) != sqlite::Statement::Type::integer) {
+    throw StoreError(fmt::format("sqlite: a stored {} is not an integer", name), 0);
+  }
+  return s.int64(column);
 }
 
 }  // namespace
@@ -42,7 +54,15 @@ Progress progress_from_json(std::string_view text) {
   Progress p;
   try {
     const nlohmann::json j = nlohmann::json::parse(text);
-    p.origin = j.at("origin").get<std::int64_t>();
+    // An integer that fits: nlohmann converts a float (1e300) with a cast that is undefined
+    // behaviour when out of range.
+    const nlohmann::json& origin = j.at("origin");
+    if (!origin.is_number_integer() ||
+        (origin.is_number_unsigned() &&
+         origin.get<std::uint64_t>() > std::uint64_t{std::numeric_limits<std::int64_t>::max()})) {
+      throw StoreError("sqlite: a stored progress column's origin is not a 64-bit integer", 0);
+    }
+    p.origin = origin.get<std::int64_t>();
     for (const auto& s : j.at("steps")) {
       p.steps.push_back(
           {s.at(0).get<std::string>(), s.at(1).get<std::string>(), s.at(2).get<bool>()});
@@ -95,16 +115,23 @@ void bind_response(sqlite::Statement& s, int first, const StoredResponse& r,
 
 Record read_record(const sqlite::Statement& s) {
   Record r;
-  const std::string_view fp = s.blob_view(0);
   Fingerprint::Bytes bytes{};
-  std::copy_n(fp.begin(), std::min(fp.size(), bytes.size()), bytes.begin());
+  if (s.type(0) != sqlite::Statement::Type::blob || s.blob_view(0).size() != bytes.size()) {
+    throw StoreError("sqlite: a stored fingerprint is not a 32-byte blob", 0);
+  }
+  const std::string_view fp = s.blob_view(0);
+  std::copy_n(fp.begin(), bytes.size(), bytes.begin());
   r.fingerprint = Fingerprint(bytes);
-  r.state = static_cast<State>(s.int64(1));
-  r.token = s.int64(2);
-  r.lease_until = at_ms(s.int64(3));
-  r.created_at = at_ms(s.int64(4));
-  r.expires_at = at_ms(s.int64(5));
-  if (!s.is_null(6)) r.response.status = static_cast<int>(s.int64(6));
+  const std::int64_t state = integer(s, 1, "state");
+  if (state < static_cast<int>(State::in_progress) || state > static_cast<int>(State::released)) {
+    throw StoreError(fmt::format("sqlite: a stored state is {}, not 1, 2 or 3", state), 0);
+  }
+  r.state = static_cast<State>(state);
+  r.token = integer(s, 2, "token");
+  r.lease_until = at_ms(integer(s, 3, "lease_until"));
+  r.created_at = at_ms(integer(s, 4, "created_at"));
+  r.expires_at = at_ms(integer(s, 5, "expires_at"));
+  if (!s.is_null(6)) r.response.status = static_cast<int>(integer(s, 6, "status"));
   if (!s.is_null(7)) r.response.headers = headers_from_json(s.text(7));
   r.response.body = s.blob(8);
   if (!s.is_null(9)) r.body_ref = s.text(9);

@@ -35,7 +35,9 @@ std::string progress_to_json(const Progress& p);
 Progress progress_from_json(std::string_view text);
 
 // The record on the current row of sql::kLoad (which must have stepped onto a row).
-// Throws StoreError if a column does not decode (a corrupt or foreign row).
+// Throws StoreError if a column does not decode (a corrupt or foreign row): a fingerprint
+// that is not a 32-byte blob, a state other than 1, 2 or 3, a non-integer token, time or
+// status, a headers column that is not a JSON array of [name, value] string pairs.
 Record read_record(const sqlite::Statement& load);
 
 }  // namespace idem::detail
