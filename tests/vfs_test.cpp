@@ -478,11 +478,18 @@ void check_acknowledged_replay(const std::string& path, const std::vector<std::s
   {
     Direct direct(path);
     CHECK(direct.integrity() == "ok");
+    for (const std::string& key : acked) {
+      CAPTURE(key);
+      const auto row = direct.row(key);
+      REQUIRE(row);
+      CHECK(row->state == 2);
+    }
   }
   auto clock = std::make_shared<idem::sim::SimulatedClock>();
   idem::Options o;
   o.clock = clock;
   o.heartbeat = 0ms;
+  o.in_flight = idem::InFlight::raise;  // a lost completion fails here instead of waiting
   o.on_store_failure = idem::FailureMode::fail_closed;
   idem::Coordinator idem(std::make_shared<idem::SqliteStore>(path, quiet()), o);
   int runs = 0;
