@@ -131,6 +131,12 @@ struct SqliteStore::Impl {
   std::map<std::string, std::unique_ptr<Statement>, std::less<>> local_statements;
   std::atomic<std::uint64_t> transactions{0}, committed_ops{0};
   std::optional<detail::Checkpointer> checkpointer;  // SqliteOptions::background_checkpoint
+  // Set when a write failed with SQLITE_FULL; guarded by `mutex`. Checkpoints follow commits,
+  // so a WAL that cannot grow is never checkpointed by itself: every byte freed on the disk
+  // would then go to more WAL frames (a whole page per changed page per commit) and the WAL's
+  // own bytes would stay taken, across restarts too. While it is set, each write first tries
+  // reclaim_wal(); the first that succeeds clears it.
+  bool disk_full = false;
 
   Impl(const std::string& path, const SqliteOptions& o)
       : busy{o.busy_timeout, {}},
@@ -178,6 +184,39 @@ struct SqliteStore::Impl {
   static sqlite3* migrated(sqlite3* db, sqlite::TransactionStatements& tx) {
     detail::migrate(db, tx);
     return db;
+  }
+
+  // A TRUNCATE checkpoint: the WAL is copied into the database (which grows only by the pages
+  // it lacks) and cut to zero bytes, giving its space back. It does not wait for other
+  // connections: if one is reading or writing, a later write tries again. Requires `mutex`
+  // and no open transaction.
+  void reclaim_wal() {
+    if (!disk_full) return;
+    const std::chrono::milliseconds patience = busy.timeout;
+    busy.timeout = std::chrono::milliseconds(0);
+    const int rc =
+        sqlite3_wal_checkpoint_v2(db.get(), nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr, nullptr);
+    busy.timeout = patience;
+    if (rc == SQLITE_OK) disk_full = false;
+  }
+
+  void note_failure(const StoreError& e) {
+    if ((e.sqlite_code() & 0xff) != SQLITE_FULL) return;
+    disk_full = true;
+    reclaim_wal();  // often the space the database needs is there already
+  }
+
+  // Runs one write under `mutex`, reclaiming the WAL's space first after a full disk.
+  template <class F>
+  auto write(F&& f) -> decltype(f()) {
+    std::lock_guard lock(mutex);
+    reclaim_wal();
+    try {
+      return f();
+    } catch (const StoreError& e) {
+      note_failure(e);
+      throw;
+    }
   }
 
   std::optional<Record> load_record(const KeyId& id) {
@@ -391,7 +430,17 @@ int SqliteStore::schema_version() noexcept { return detail::schema_version(); }
 void SqliteStore::apply(std::span<StoreOp* const> ops) {
   if (ops.empty()) return;
   std::lock_guard lock(impl_->mutex);
+  impl_->reclaim_wal();
   impl_->apply_locked(ops);
+  for (StoreOp* op : ops) {
+    if (!op->error) continue;
+    try {
+      std::rethrow_exception(op->error);
+    } catch (const StoreError& e) {
+      impl_->note_failure(e);
+    } catch (...) {  // not the store's: nothing to note
+    }
+  }
 }
 
 SqliteStore::CommitStats SqliteStore::commit_stats() const {
@@ -451,24 +500,26 @@ std::optional<Record> SqliteStore::store_if_absent(const KeyId& id, const Finger
 }
 
 bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
-  std::lock_guard lock(impl_->mutex);
-  Statement& s = impl_->renew;
-  ResetGuard reset(s);
-  detail::bind_id(s, id);
-  s.bind(4, token);
-  s.bind(5, detail::ms(lease_until));
-  return Impl::changed(s);
+  return impl_->write([&]() -> bool {
+    Statement& s = impl_->renew;
+    ResetGuard reset(s);
+    detail::bind_id(s, id);
+    s.bind(4, token);
+    s.bind(5, detail::ms(lease_until));
+    return Impl::changed(s);
+  });
 }
 
 bool SqliteStore::set_recovery_point(const KeyId& id, std::int64_t token,
                                      const std::string& point) {
-  std::lock_guard lock(impl_->mutex);
-  Statement& s = impl_->set_recovery_point;
-  ResetGuard reset(s);
-  detail::bind_id(s, id);
-  s.bind(4, token);
-  s.bind(5, point);
-  return Impl::changed(s);
+  return impl_->write([&]() -> bool {
+    Statement& s = impl_->set_recovery_point;
+    ResetGuard reset(s);
+    detail::bind_id(s, id);
+    s.bind(4, token);
+    s.bind(5, point);
+    return Impl::changed(s);
+  });
 }
 
 std::optional<Record> SqliteStore::load(const KeyId& id) {
@@ -477,27 +528,29 @@ std::optional<Record> SqliteStore::load(const KeyId& id) {
 }
 
 std::size_t SqliteStore::purge_expired(TimePoint now, std::size_t limit) {
-  std::lock_guard lock(impl_->mutex);
-  Statement& s = impl_->purge;
-  ResetGuard reset(s);
-  s.bind(1, detail::ms(now));
-  s.bind(2, static_cast<std::int64_t>(limit));
-  s.step();
-  return static_cast<std::size_t>(s.changes());
+  return impl_->write([&]() -> std::size_t {
+    Statement& s = impl_->purge;
+    ResetGuard reset(s);
+    s.bind(1, detail::ms(now));
+    s.bind(2, static_cast<std::int64_t>(limit));
+    s.step();
+    return static_cast<std::size_t>(s.changes());
+  });
 }
 
 std::vector<ReapedRecord> SqliteStore::reap(TimePoint lease_ended_before, std::size_t limit) {
-  std::lock_guard lock(impl_->mutex);
-  Statement& s = impl_->reap;
-  ResetGuard reset(s);
-  s.bind(1, detail::ms(lease_ended_before));
-  s.bind(2, static_cast<std::int64_t>(limit));
-  std::vector<ReapedRecord> out;
-  while (s.step()) {
-    KeyId id{s.text(0), s.text(1), s.text(2)};
-    out.push_back({short_hash(id), id.operation, s.int64(3), detail::at_ms(s.int64(4))});
-  }
-  return out;
+  return impl_->write([&]() -> std::vector<ReapedRecord> {
+    Statement& s = impl_->reap;
+    ResetGuard reset(s);
+    s.bind(1, detail::ms(lease_ended_before));
+    s.bind(2, static_cast<std::int64_t>(limit));
+    std::vector<ReapedRecord> out;
+    while (s.step()) {
+      KeyId id{s.text(0), s.text(1), s.text(2)};
+      out.push_back({short_hash(id), id.operation, s.int64(3), detail::at_ms(s.int64(4))});
+    }
+    return out;
+  });
 }
 
 // ---- multi-step operations and the outbox ----
@@ -545,66 +598,69 @@ bool write_progress(Statement& s, const KeyId& id, std::int64_t token, const Pro
 std::optional<Progress> SqliteStore::begin_steps(const KeyId& id, std::int64_t token,
                                                  const std::string& request) {
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
-  sqlite::Transaction t(d.tx);
-  {
-    Statement& s = d.begin_steps;
-    ResetGuard reset(s);
-    detail::bind_id(s, id);
-    s.bind(4, token);
-    s.bind_blob(5, request.data(), request.size());
-    s.step();
-    if (s.changes() != 1) return std::nullopt;
-  }
-  std::optional<ProgressRow> row = read_progress(d.load_progress, id);
-  if (!row) throw StoreError("sqlite: begin_steps: the record vanished", 0);
-  t.commit();
-  if (row->progress) return std::move(row->progress);
-  Progress fresh;  // nothing happened yet: this attempt is the operation's origin
-  fresh.origin = token;
-  fresh.request = request;
-  return fresh;
+  return d.write([&]() -> std::optional<Progress> {
+    sqlite::Transaction t(d.tx);
+    {
+      Statement& s = d.begin_steps;
+      ResetGuard reset(s);
+      detail::bind_id(s, id);
+      s.bind(4, token);
+      s.bind_blob(5, request.data(), request.size());
+      s.step();
+      if (s.changes() != 1) return std::nullopt;
+    }
+    std::optional<ProgressRow> row = read_progress(d.load_progress, id);
+    if (!row) throw StoreError("sqlite: begin_steps: the record vanished", 0);
+    t.commit();
+    if (row->progress) return std::move(row->progress);
+    Progress fresh;  // nothing happened yet: this attempt is the operation's origin
+    fresh.origin = token;
+    fresh.request = request;
+    return fresh;
+  });
 }
 
 bool SqliteStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
                                const std::string& step) {
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
-  sqlite::Transaction t(d.tx);
-  std::optional<ProgressRow> row = read_progress(d.load_progress, id);
-  if (!row || row->token != token || row->state != State::in_progress) return false;
-  Progress p = row->progress.value_or(Progress{});
-  if (!row->progress) p.origin = origin;
-  p.pending = step;
-  if (!write_progress(d.set_progress, id, token, p, nullptr)) return false;
-  t.commit();
-  return true;
+  return d.write([&]() -> bool {
+    sqlite::Transaction t(d.tx);
+    std::optional<ProgressRow> row = read_progress(d.load_progress, id);
+    if (!row || row->token != token || row->state != State::in_progress) return false;
+    Progress p = row->progress.value_or(Progress{});
+    if (!row->progress) p.origin = origin;
+    p.pending = step;
+    if (!write_progress(d.set_progress, id, token, p, nullptr)) return false;
+    t.commit();
+    return true;
+  });
 }
 
 bool SqliteStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                               const StepCommit& step) {
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
-  sqlite::Transaction t(d.tx);
-  std::optional<ProgressRow> row = read_progress(d.load_progress, id);
-  if (!row || row->token != token || row->state != State::in_progress)
-    return false;        // a zombie: nothing of its step runs
-  if (!row->progress) {  // the operation's first recorded step
-    row->progress.emplace();
-    row->progress->origin = origin;
-  }
-  if (step.local) {
-    SqliteLocal local(d.db.get(), d.local_statements, d.outbox_insert, id, origin, step.result.step,
-                      step.now);
-    step.local(local);
-  }
-  Progress& p = *row->progress;
-  p.steps.push_back(step.result);
-  if (p.pending == step.result.step) p.pending.reset();
-  if (!write_progress(d.set_progress, id, token, p, &step.result.step))
-    throw StoreError("sqlite: commit_step: record changed inside its transaction", 0);
-  t.commit();
-  return true;
+  return d.write([&]() -> bool {
+    sqlite::Transaction t(d.tx);
+    std::optional<ProgressRow> row = read_progress(d.load_progress, id);
+    if (!row || row->token != token || row->state != State::in_progress)
+      return false;        // a zombie: nothing of its step runs
+    if (!row->progress) {  // the operation's first recorded step
+      row->progress.emplace();
+      row->progress->origin = origin;
+    }
+    if (step.local) {
+      SqliteLocal local(d.db.get(), d.local_statements, d.outbox_insert, id, origin,
+                        step.result.step, step.now);
+      step.local(local);
+    }
+    Progress& p = *row->progress;
+    p.steps.push_back(step.result);
+    if (p.pending == step.result.step) p.pending.reset();
+    if (!write_progress(d.set_progress, id, token, p, &step.result.step))
+      throw StoreError("sqlite: commit_step: record changed inside its transaction", 0);
+    t.commit();
+    return true;
+  });
 }
 
 std::vector<AbandonedOperation> SqliteStore::abandoned(TimePoint idle_before, TimePoint now,
@@ -639,53 +695,56 @@ std::vector<AbandonedOperation> SqliteStore::abandoned(TimePoint idle_before, Ti
 std::vector<OutboxMessage> SqliteStore::claim_outbox(TimePoint now, TimePoint claim_until,
                                                      std::size_t limit) {
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
-  {
-    ResetGuard reset(d.outbox_any_due);
-    d.outbox_any_due.bind(1, detail::ms(now));
-    if (!d.outbox_any_due.step()) return {};
-  }
-  sqlite::Transaction t(d.tx);
-  std::vector<OutboxMessage> out;
-  {
-    Statement& s = d.outbox_claim;
-    ResetGuard reset(s);
-    s.bind(1, detail::ms(now));
-    s.bind(2, detail::ms(claim_until));
-    s.bind(3, static_cast<std::int64_t>(limit));
-    while (s.step()) {
-      out.push_back(OutboxMessage{s.text(0), s.text(1), s.blob(2), static_cast<int>(s.int64(3)),
-                                  detail::at_ms(s.int64(4))});
+  return d.write([&]() -> std::vector<OutboxMessage> {
+    {
+      ResetGuard reset(d.outbox_any_due);
+      d.outbox_any_due.bind(1, detail::ms(now));
+      if (!d.outbox_any_due.step()) return {};
     }
-  }
-  t.commit();
-  std::stable_sort(out.begin(), out.end(), [](const OutboxMessage& a, const OutboxMessage& b) {
-    return a.created_at < b.created_at;
+    sqlite::Transaction t(d.tx);
+    std::vector<OutboxMessage> out;
+    {
+      Statement& s = d.outbox_claim;
+      ResetGuard reset(s);
+      s.bind(1, detail::ms(now));
+      s.bind(2, detail::ms(claim_until));
+      s.bind(3, static_cast<std::int64_t>(limit));
+      while (s.step()) {
+        out.push_back(OutboxMessage{s.text(0), s.text(1), s.blob(2), static_cast<int>(s.int64(3)),
+                                    detail::at_ms(s.int64(4))});
+      }
+    }
+    t.commit();
+    std::stable_sort(out.begin(), out.end(), [](const OutboxMessage& a, const OutboxMessage& b) {
+      return a.created_at < b.created_at;
+    });
+    return out;
   });
-  return out;
 }
 
 bool SqliteStore::outbox_delivered(const std::string& id, TimePoint now) {
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
-  Statement& s = d.outbox_delivered;
-  ResetGuard reset(s);
-  s.bind(1, id);
-  s.bind(2, detail::ms(now));
-  return Impl::changed(s);
+  return d.write([&]() -> bool {
+    Statement& s = d.outbox_delivered;
+    ResetGuard reset(s);
+    s.bind(1, id);
+    s.bind(2, detail::ms(now));
+    return Impl::changed(s);
+  });
 }
 
 void SqliteStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park,
                                 const std::string& why) {
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
-  Statement& s = d.outbox_failed;
-  ResetGuard reset(s);
-  s.bind(1, id);
-  s.bind(2, detail::ms(retry_at));
-  s.bind(3, std::int64_t{park ? 1 : 0});
-  s.bind(4, why);
-  s.step();
+  return d.write([&]() -> void {
+    Statement& s = d.outbox_failed;
+    ResetGuard reset(s);
+    s.bind(1, id);
+    s.bind(2, detail::ms(retry_at));
+    s.bind(3, std::int64_t{park ? 1 : 0});
+    s.bind(4, why);
+    s.step();
+  });
 }
 
 OutboxCounts SqliteStore::outbox_counts() {
@@ -713,13 +772,14 @@ OutboxCounts SqliteStore::outbox_counts() {
 
 std::size_t SqliteStore::purge_outbox(TimePoint delivered_before, std::size_t limit) {
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
-  Statement& s = d.outbox_purge;
-  ResetGuard reset(s);
-  s.bind(1, detail::ms(delivered_before));
-  s.bind(2, static_cast<std::int64_t>(limit));
-  s.step();
-  return static_cast<std::size_t>(s.changes());
+  return d.write([&]() -> std::size_t {
+    Statement& s = d.outbox_purge;
+    ResetGuard reset(s);
+    s.bind(1, detail::ms(delivered_before));
+    s.bind(2, static_cast<std::int64_t>(limit));
+    s.step();
+    return static_cast<std::size_t>(s.changes());
+  });
 }
 
 }  // namespace idem

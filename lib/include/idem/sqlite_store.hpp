@@ -43,6 +43,12 @@ struct SqliteOptions {
 // opening the same file. The schema is versioned with PRAGMA user_version and migrated on
 // open.
 //
+// A full disk is a StoreError with SQLITE_FULL ("database or disk is full"); what was
+// committed stays. From then on each write first tries, without waiting for other
+// connections, a checkpoint that copies the WAL into the database and truncates the WAL, so
+// once the disk has room again the store serves by itself (no restart) and the space the WAL
+// held is usable too.
+//
 // apply() commits all the ops it is given in one transaction (each op keeps its own
 // outcome); the Coordinator's group commit hands it the writes of every call that is ready
 // at once.
