@@ -33,6 +33,13 @@ using sim::Mark;
 
 constexpr auto kLatency = 300ms;
 
+// The table's seed-000 rows: where the checkout dies, and whether a retry comes (false: the
+// completer finishes it).
+constexpr std::pair<const char*, bool> kCheckoutRows[] = {{"after debited", true},
+                                                          {"after order_created", true},
+                                                          {"after notified", true},
+                                                          {"after debited", false}};
+
 // How the SVG draws a coordinator log event (lib/src logs these names): its mark and a
 // short label.
 std::pair<Mark, std::string> drawn(const LogEvent& e) {
@@ -442,9 +449,7 @@ CheckoutCrash checkout_crash(const std::string& point, bool retried, const RunOp
 
 std::vector<CheckoutCrash> checkout_crashes() {
   std::vector<CheckoutCrash> rows;
-  for (const char* point : {"after debited", "after order_created", "after notified"})
-    rows.push_back(checkout_crash(point, true));
-  rows.push_back(checkout_crash("after debited", false));
+  for (const auto& [point, retried] : kCheckoutRows) rows.push_back(checkout_crash(point, retried));
   return rows;
 }
 
@@ -532,11 +537,7 @@ std::string render_table(bool real_time, bool with_timeline) {
   put("");
   put("seed 000: one key covers debit -> order -> mail; the process dies after a step");
   {
-    const std::pair<const char*, bool> crashes[] = {{"after debited", true},
-                                                    {"after order_created", true},
-                                                    {"after notified", true},
-                                                    {"after debited", false}};
-    for (const auto& [point, retried] : crashes) {
+    for (const auto& [point, retried] : kCheckoutRows) {
       Timeline t;
       const CheckoutCrash c = checkout_crash(point, retried, {false, &t});
       put(
@@ -610,11 +611,7 @@ std::vector<Figure> table_figures() {
                     fmt::format("{} x 200, {} other", n200,
                                 static_cast<long>(v.statuses.size()) - n200))});
   }
-  const std::pair<const char*, bool> crashes[] = {{"after debited", true},
-                                                  {"after order_created", true},
-                                                  {"after notified", true},
-                                                  {"after debited", false}};
-  for (const auto& [point, retried] : crashes) {
+  for (const auto& [point, retried] : kCheckoutRows) {
     Timeline t;
     const CheckoutCrash c = checkout_crash(point, retried, {false, &t});
     std::string name = c.point.substr(c.point.find(' ') + 1);

@@ -91,33 +91,9 @@ struct World {
   }
 };
 
-// The server's answer to a request it could not read (Server::Impl::read_failure), or
-// nullopt where it closes without one.
-std::optional<idem::demo::Reply> read_failure(const boost::beast::error_code& ec) {
-  if (ec == bh::error::body_limit) {
-    return idem::demo::problem_reply(413, "payload_too_large", "Payload too large",
-                                     "the body exceeds the server's limit");
-  }
-  if (ec == bh::error::header_limit) {
-    return idem::demo::problem_reply(431, "headers_too_large", "Request header fields too large",
-                                     "the header section exceeds the server's limit");
-  }
-  static const auto& http_errors = boost::beast::error_code(bh::error::bad_method).category();
-  if (ec.category() == http_errors && ec != bh::error::end_of_stream &&
-      ec != bh::error::partial_message) {
-    return idem::demo::problem_reply(400, "bad_request", "Malformed HTTP request", ec.message());
-  }
-  return std::nullopt;
-}
-
-// The reply as the server writes it (Server::Impl::send): its bytes.
+// The reply as the server writes it (finish_reply, then the bytes Server::Impl::send writes).
 std::string send(idem::demo::Reply res, bool keep_alive, bool head) {
-  res.version(11);
-  res.set(bh::field::server, "idem-demo");
-  if (!res.body().empty() && res.find(bh::field::content_type) == res.end())
-    res.set(bh::field::content_type, "application/json");
-  res.keep_alive(keep_alive);
-  if (res.find(bh::field::content_length) == res.end()) res.prepare_payload();
+  idem::demo::finish_reply(res, keep_alive);
   std::ostringstream out;
   if (head) {
     out << bh::response<bh::empty_body>{std::move(res.base())};
@@ -192,7 +168,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       return 0;
     }
     if (ec) {
-      if (std::optional<idem::demo::Reply> answer = read_failure(ec)) {
+      if (std::optional<idem::demo::Reply> answer = idem::demo::read_failure(ec)) {
         const unsigned status = answer->result_int();
         check_sent(send(std::move(*answer), false, false), status, false);
       }

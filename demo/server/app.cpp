@@ -1,8 +1,38 @@
 #include "app.hpp"
 
+#include <boost/beast/http/error.hpp>
+
 #include "idem/http.hpp"
 
 namespace idem::demo {
+
+namespace bh = boost::beast::http;
+
+std::optional<Reply> read_failure(const boost::beast::error_code& ec) {
+  if (ec == bh::error::body_limit) {
+    return problem_reply(413, "payload_too_large", "Payload too large",
+                         "the body exceeds the server's limit");
+  }
+  if (ec == bh::error::header_limit) {
+    return problem_reply(431, "headers_too_large", "Request header fields too large",
+                         "the header section exceeds the server's limit");
+  }
+  static const auto& http_errors = boost::beast::error_code(bh::error::bad_method).category();
+  if (ec.category() == http_errors && ec != bh::error::end_of_stream &&
+      ec != bh::error::partial_message) {
+    return problem_reply(400, "bad_request", "Malformed HTTP request", ec.message());
+  }
+  return std::nullopt;
+}
+
+void finish_reply(Reply& res, bool keep_alive) {
+  res.version(11);
+  res.set(bh::field::server, "idem-demo");
+  if (!res.body().empty() && res.find(bh::field::content_type) == res.end())
+    res.set(bh::field::content_type, "application/json");
+  res.keep_alive(keep_alive);
+  if (res.find(bh::field::content_length) == res.end()) res.prepare_payload();
+}
 
 Reply problem_reply(int status, std::string_view code, std::string_view title,
                     std::string_view detail) {

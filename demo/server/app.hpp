@@ -2,6 +2,8 @@
 // (server.cpp) owns sockets, limits, HEAD and shutdown.
 #pragma once
 
+#include <boost/beast/core/error.hpp>
+#include <optional>
 #include <string>
 
 #include "idem/beast.hpp"
@@ -33,5 +35,13 @@ Reply problem_reply(int status, std::string_view code, std::string_view title,
 Reply body_reply(int status, std::string body, std::string_view content_type);
 // 405 method_not_allowed with Allow: `allow`.
 Reply method_not_allowed(std::string_view allow);
+
+// What the transport answers to a request it could not read: 413 over the body limit, 431
+// over the header limit, 400 for malformed HTTP; nullopt where it closes without an answer
+// (closed, timed out, cancelled, cut short).
+std::optional<Reply> read_failure(const boost::beast::error_code& ec);
+// The transport's headers on every reply: HTTP/1.1, Server, a JSON Content-Type when a body
+// has none, keep-alive, and Content-Length unless set.
+void finish_reply(Reply& res, bool keep_alive);
 
 }  // namespace idem::demo

@@ -134,12 +134,7 @@ struct Server::Impl {
   }
 
   net::awaitable<void> send(beast::tcp_stream& stream, Reply res, bool keep_alive, bool head) {
-    res.version(11);
-    res.set(bh::field::server, "idem-demo");
-    if (!res.body().empty() && res.find(bh::field::content_type) == res.end())
-      res.set(bh::field::content_type, "application/json");
-    res.keep_alive(keep_alive);
-    if (res.find(bh::field::content_length) == res.end()) res.prepare_payload();
+    finish_reply(res, keep_alive);
     stream.expires_after(options.read_timeout);
     beast::error_code ec;
     if (head) {
@@ -150,24 +145,6 @@ struct Server::Impl {
     } else {
       co_await bh::async_write(stream, res, net::redirect_error(net::use_awaitable, ec));
     }
-  }
-
-  // The answer to a request that could not be read, or nullopt to just close.
-  static std::optional<Reply> read_failure(const beast::error_code& ec) {
-    if (ec == bh::error::body_limit) {
-      return problem_reply(413, "payload_too_large", "Payload too large",
-                           "the body exceeds the server's limit");
-    }
-    if (ec == bh::error::header_limit) {
-      return problem_reply(431, "headers_too_large", "Request header fields too large",
-                           "the header section exceeds the server's limit");
-    }
-    static const auto& http_errors = beast::error_code(bh::error::bad_method).category();
-    if (ec.category() == http_errors && ec != bh::error::end_of_stream &&
-        ec != bh::error::partial_message) {
-      return problem_reply(400, "bad_request", "Malformed HTTP request", ec.message());
-    }
-    return std::nullopt;  // closed, timed out, cancelled, or cut short: nobody to answer
   }
 
   net::awaitable<void> session(tcp::socket socket) {

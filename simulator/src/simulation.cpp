@@ -177,7 +177,7 @@ Plan make_plan(std::uint64_t seed, const ScenarioOptions& options) {
   if (rng.percent(25)) {
     const auto crashes = rng.range(1, 2);
     for (long long i = 0; i < crashes; ++i) {
-      p.crashes.push_back({milliseconds(rng.range(0, 60) * 25),
+      p.crashes.push_back({milliseconds(rng.range(0, 1500)),
                            static_cast<int>(rng.below(static_cast<std::uint64_t>(c.processes))),
                            milliseconds(rng.range(0, 20) * 50)});
     }
@@ -308,6 +308,13 @@ class Pool {
     return out;
   }
 
+  // The scenario is over: nothing of the pool points into it any more.
+  void end() {
+    bank_->clear();
+    psp_->clear();
+    clock_.target = nullptr;
+  }
+
   // A connection no process of this scenario has had.
   std::shared_ptr<SqliteStore> take() {
     if (taken_ == stores_.size())
@@ -422,7 +429,7 @@ struct Process {
   std::shared_ptr<SqliteStore> sqlite;
   std::shared_ptr<FaultyStore> faulty;
   std::unique_ptr<Coordinator> coordinator;
-  std::set<Reply*> waiting;  // the replies its clients wait for
+  std::vector<Reply*> waiting;  // the replies its clients wait for, in the order they began
 };
 
 struct Answer {
@@ -478,6 +485,7 @@ struct World {
   int next_call = 0;
   std::size_t finished_clients = 0, attempts = 0, crashes = 0, faults = 0, events = 0;
   bool store_trouble = false;  // a planned store fault or a crash happened
+  std::optional<TimePoint> last_round;  // when the reaper last ran a whole round
   bool stalls = false;
 
   explicit World(const Plan& p, bool t) : plan(p), tracing(t) {
@@ -494,9 +502,11 @@ struct World {
   }
 
   ~World() {
-    // Coroutines still suspended (a dead process's waiters) go with the io_context, before
-    // the coordinators they refer to.
+    // Coroutines still suspended (a dead process's) go with the io_context, before the
+    // coordinators they refer to; their destructors may still log, so tracing stops first.
+    tracing = false;
     io.reset();
+    pool.end();
   }
 
   long long ms(TimePoint t) const { return (t - start).count(); }
@@ -614,8 +624,9 @@ struct World {
     });
   }
 
-  // Reaps on the first live process when a reservation's lease ended more than reap_after
-  // ago, then checks that none outlived its lease by more than that and one round.
+  // One round of the reaper, on the first live process. A reservation that was already overdue
+  // (its lease ended more than reap_after before) at the last round that ran should not be
+  // there; the reaper then clears those overdue now, and none may be left.
   void reap_round() {
     Process* p = reach(0);
     if (p == nullptr) return;
@@ -624,7 +635,8 @@ struct World {
       std::set<std::string> seen;
       for (const auto& r : plan.requests) {
         std::string name = key_name(plan, r);
-        // A multi-step operation that made progress is the completer's, not the reaper's.
+        // A multi-step operation may have made progress: it is the completer's, not the
+        // reaper's, so its keys are not checked here.
         if (r.operation == kCheckout || !seen.insert(name).second) continue;
         std::optional<Record> rec = p->sqlite->load(
             KeyId{kTenants[r.tenant], kOperations[r.operation], fmt::format("k{}", r.key)});
@@ -633,19 +645,29 @@ struct World {
       }
       return std::nullopt;
     };
-    if (!overdue(plan.config.reap_after)) return;
-    try {
-      p->coordinator->reap();
-    } catch (const StoreError&) {
-      return;
-    }
-    if (auto left = overdue(plan.config.reap_after + plan.config.reap_every)) {
+    auto report = [&](const std::pair<std::string, Record>& left, const char* when) {
       violate(Invariant::lease_bounded,
-              fmt::format("{}: reservation token {} with a lease that ended at t={}ms is still "
-                          "there after the reaper ran at t={}ms",
-                          left->first, left->second.token, ms(left->second.lease_until),
+              fmt::format("{}: reservation token {} whose lease ended at t={}ms is still there "
+                          "{} at t={}ms",
+                          left.first, left.second.token, ms(left.second.lease_until), when,
                           ms(clock->now())));
+    };
+    const TimePoint now = clock->now();
+    // Overdue already at the last round that ran: that round should have cleared it.
+    if (last_round) {
+      const auto since = std::chrono::duration_cast<milliseconds>(now - *last_round);
+      if (auto missed = overdue(plan.config.reap_after + since))
+        report(*missed, "though the reaper ran after it was due");
     }
+    if (overdue(plan.config.reap_after)) {
+      try {
+        p->coordinator->reap();
+      } catch (const StoreError&) {
+        return;
+      }
+      if (auto left = overdue(plan.config.reap_after)) report(*left, "after the reaper ran");
+    }
+    last_round = now;
   }
 
   void run();
@@ -653,8 +675,16 @@ struct World {
 };
 
 net::awaitable<void> maintenance(World& w) {
+  const Config& c = w.plan.config;
   while (w.finished_clients < w.plan.requests.size()) {
-    co_await async_sleep_until(*w.clock, w.clock->now() + w.plan.config.reap_every);
+    co_await async_sleep_until(*w.clock, w.clock->now() + c.reap_every);
+    w.reap_round();
+  }
+  // Once the clients are done, a reservation left behind (a crashed holder's) must still be
+  // cleared: the rounds go on until every lease (at most two rounds long) and the reaper's
+  // delay have passed.
+  for (int round = 0; round < 3; ++round) {
+    co_await async_sleep_until(*w.clock, w.clock->now() + c.reap_every);
     w.reap_round();
   }
 }
@@ -811,12 +841,13 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
   // The process serves the request in a coroutine of its own; the client waits for the answer
   // or the process's death.
   auto reply = std::make_shared<Reply>(*w.io);
-  p.waiting.insert(reply.get());
+  p.waiting.push_back(reply.get());
   spawn(w, serve(p, std::move(request), r.operation == kCheckout, std::move(action),
                  std::move(steps), reply));
   boost::system::error_code ec;
-  co_await reply->wake.async_wait(net::redirect_error(net::use_awaitable, ec));
-  p.waiting.erase(reply.get());
+  // An answer that came before the wait began (a spawn that ran inline) is not waited for.
+  if (!reply->done) co_await reply->wake.async_wait(net::redirect_error(net::use_awaitable, ec));
+  std::erase(p.waiting, reply.get());
   try {
     if (!reply->done) throw ProcessDied();
     if (reply->error) std::rethrow_exception(reply->error);
@@ -1118,7 +1149,12 @@ ScenarioResult simulate(std::uint64_t seed, const ScenarioOptions& options) {
   const Plan plan = make_plan(seed, options);
   ScenarioResult r = run_plan(plan, options.trace);
   if (r.ok() || !options.shrink) return r;
-  const Plan minimal = shrink(plan, r.violations.front().invariant);
+  Invariant keep = r.violations.front().invariant;
+  if (options.shrink_for &&
+      std::any_of(r.violations.begin(), r.violations.end(),
+                  [&](const Violation& v) { return v.invariant == *options.shrink_for; }))
+    keep = *options.shrink_for;
+  const Plan minimal = shrink(plan, keep);
   ScenarioResult small = run_plan(minimal, true);
   if (small.ok()) return r;  // cannot happen: shrink keeps only plans that fail
   return small;

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,8 +57,10 @@ struct ScenarioOptions {
   std::size_t requests = 0;
   // Record the trace (slower; simulate() records it anyway when it shrinks a failure).
   bool trace = false;
-  // Shrink a failing scenario to a minimal plan before returning it.
+  // Shrink a failing scenario to a minimal plan before returning it, keeping the violation of
+  // `shrink_for` if it has one (else its first violation).
   bool shrink = true;
+  std::optional<Invariant> shrink_for{};
 };
 
 struct ScenarioResult {
