@@ -484,7 +484,7 @@ struct World {
   std::map<std::string, std::vector<std::shared_ptr<Pending>>> pending;
   int next_call = 0;
   std::size_t finished_clients = 0, attempts = 0, crashes = 0, faults = 0, events = 0;
-  bool store_trouble = false;  // a planned store fault or a crash happened
+  bool store_trouble = false;           // a planned store fault or a crash happened
   std::optional<TimePoint> last_round;  // when the reaper last ran a whole round
   bool stalls = false;
 
