@@ -302,16 +302,32 @@ class Pool {
 
   // Every order row: (operation key, charge id).
   std::vector<std::pair<std::string, std::string>> orders() {
-    sqlite::Statement s(janitor_.get(), sql::kOrders);
+    sqlite::ResetGuard reset(*orders_);
     std::vector<std::pair<std::string, std::string>> out;
-    while (s.step()) out.emplace_back(s.text(0), s.text(1));
+    while (orders_->step()) out.emplace_back(orders_->text(0), orders_->text(1));
     return out;
   }
 
-  // The scenario is over: nothing of the pool points into it any more.
+  // The in-progress reservation with the oldest lease, but for `operation`'s: its key
+  // ("tenant/operation/key"), token and lease.
+  struct Reserved {
+    std::string key;
+    std::int64_t token = 0;
+    TimePoint lease_until;
+  };
+  std::optional<Reserved> oldest_reservation(std::string_view except_operation) {
+    sqlite::ResetGuard reset(*oldest_);
+    oldest_->bind(1, except_operation);
+    if (!oldest_->step()) return std::nullopt;
+    return Reserved{fmt::format("{}/{}/{}", oldest_->text(0), oldest_->text(1), oldest_->text(2)),
+                    oldest_->int64(3), TimePoint(milliseconds(oldest_->int64(4)))};
+  }
+
+  // The scenario is over: nothing of the pool points into it any more (its charges stay
+  // until the next begin()).
   void end() {
-    bank_->clear();
-    psp_->clear();
+    bank_->on_event(nullptr);
+    psp_->on_event(nullptr);
     clock_.target = nullptr;
   }
 
@@ -354,6 +370,8 @@ class Pool {
     clear_keys_.emplace(janitor_.get(), sql::kClearKeys);
     clear_outbox_.emplace(janitor_.get(), sql::kClearOutbox);
     clear_orders_.emplace(janitor_.get(), sql::kClearOrders);
+    orders_.emplace(janitor_.get(), sql::kOrders);
+    oldest_.emplace(janitor_.get(), sql::kOldestReservation);
   }
   static std::atomic<std::uint64_t>& counter() {
     static std::atomic<std::uint64_t> n{0};
@@ -368,7 +386,7 @@ class Pool {
   std::vector<std::shared_ptr<SqliteStore>> stores_;
   std::size_t taken_ = 0;
   std::unique_ptr<Provider> bank_, psp_;
-  std::optional<sqlite::Statement> clear_keys_, clear_outbox_, clear_orders_;
+  std::optional<sqlite::Statement> clear_keys_, clear_outbox_, clear_orders_, orders_, oldest_;
 };
 
 struct World;
@@ -630,42 +648,33 @@ struct World {
   void reap_round() {
     Process* p = reach(0);
     if (p == nullptr) return;
-    auto overdue = [&](milliseconds grace) -> std::optional<std::pair<std::string, Record>> {
-      const TimePoint now = clock->now();
-      std::set<std::string> seen;
-      for (const auto& r : plan.requests) {
-        std::string name = key_name(plan, r);
-        // A multi-step operation may have made progress: it is the completer's, not the
-        // reaper's, so its keys are not checked here.
-        if (r.operation == kCheckout || !seen.insert(name).second) continue;
-        std::optional<Record> rec = p->sqlite->load(
-            KeyId{kTenants[r.tenant], kOperations[r.operation], fmt::format("k{}", r.key)});
-        if (rec && rec->state == State::in_progress && rec->lease_until + grace < now)
-          return std::make_pair(std::move(name), std::move(*rec));
-      }
-      return std::nullopt;
+    const TimePoint now = clock->now();
+    // A multi-step operation's reservation may have made progress: it is the completer's,
+    // not the reaper's, so the checkout's keys are left out.
+    auto oldest = [&] { return pool.oldest_reservation(kOperations[kCheckout]); };
+    auto overdue = [&](const auto& r, milliseconds grace) {
+      return r && r->lease_until + grace < now;
     };
-    auto report = [&](const std::pair<std::string, Record>& left, const char* when) {
+    auto report = [&](const Pool::Reserved& left, const char* when) {
       violate(Invariant::lease_bounded,
               fmt::format("{}: reservation token {} whose lease ended at t={}ms is still there "
                           "{} at t={}ms",
-                          left.first, left.second.token, ms(left.second.lease_until), when,
-                          ms(clock->now())));
+                          left.key, left.token, ms(left.lease_until), when, ms(now)));
     };
-    const TimePoint now = clock->now();
+    auto left = oldest();
     // Overdue already at the last round that ran: that round should have cleared it.
-    if (last_round) {
-      const auto since = std::chrono::duration_cast<milliseconds>(now - *last_round);
-      if (auto missed = overdue(plan.config.reap_after + since))
-        report(*missed, "though the reaper ran after it was due");
-    }
-    if (overdue(plan.config.reap_after)) {
+    if (last_round &&
+        overdue(left, plan.config.reap_after +
+                          std::chrono::duration_cast<milliseconds>(now - *last_round)))
+      report(*left, "though the reaper ran after it was due");
+    if (overdue(left, plan.config.reap_after)) {
       try {
         p->coordinator->reap();
       } catch (const StoreError&) {
         return;
       }
-      if (auto left = overdue(plan.config.reap_after)) report(*left, "after the reaper ran");
+      left = oldest();
+      if (overdue(left, plan.config.reap_after)) report(*left, "after the reaper ran");
     }
     last_round = now;
   }

@@ -17,5 +17,11 @@ inline constexpr std::string_view kClearOrders = "DELETE FROM sim_orders";
 inline constexpr std::string_view kInsertOrder =
     "INSERT INTO sim_orders (order_key, charge_id) VALUES (?1, ?2)";
 inline constexpr std::string_view kOrders = "SELECT order_key, charge_id FROM sim_orders";
+// The in-progress reservation with the oldest lease, as the table holds it (state 1 is
+// in_progress), leaving out ?1's keys. Columns: tenant, operation, key, token, lease_until (ms).
+inline constexpr std::string_view kOldestReservation = R"sql(
+SELECT tenant, operation, key, token, lease_until FROM idem_keys
+WHERE state = 1 AND operation <> ?1
+ORDER BY lease_until LIMIT 1)sql";
 
 }  // namespace idem::sim::sql
