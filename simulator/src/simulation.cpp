@@ -403,9 +403,18 @@ class Recorder final : public StoreWrapper {
                 TimePoint expires) override;
   bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
   void apply(std::span<StoreOp* const> ops) override;
+  bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
+  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
+  bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                    const std::string& step) override;
+  bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                   const StepCommit& step) override;
+  std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
 
  private:
   void seen(const StoreOp& op);
+  // A token-checked write other than complete and release was applied under `token`.
+  void applied_under(const KeyId& id, std::int64_t token, std::string_view what);
   World& w_;
 };
 
@@ -473,6 +482,9 @@ class ProcessDied : public std::runtime_error {
 
 struct KeyLog {
   std::int64_t newest_token = 0;
+  // The newest reservation's lease as granted or last renewed; min() once it was completed,
+  // released or reaped. Nobody may take the key over before it ends.
+  TimePoint lease_until = TimePoint::min();
 };
 
 // A call of a key that has begun and neither ran its action nor answered (a waiter, or one
@@ -1055,7 +1067,15 @@ void Recorder::seen(const StoreOp& op) {
                    fmt::format("{}: a reservation got token {} after token {}", key,
                                op.reservation.token, k.newest_token));
       }
+      if (op.reservation.kind == Reservation::Kind::taken_over && op.now < k.lease_until) {
+        w_.violate(Invariant::fencing,
+                   fmt::format("{}: taken over with token {} at t={}ms while token {}'s lease "
+                               "ran until t={}ms",
+                               key, op.reservation.token, w_.ms(op.now), k.newest_token,
+                               w_.ms(k.lease_until)));
+      }
       k.newest_token = std::max(k.newest_token, op.reservation.token);
+      k.lease_until = op.lease_until;
       if (w_.tracing)
         w_.note("store", fmt::format("{} reserved with token {}", key, op.reservation.token));
       return;
@@ -1067,10 +1087,63 @@ void Recorder::seen(const StoreOp& op) {
                                key, op.kind == StoreOp::Kind::complete ? "completion" : "release",
                                op.token, k.newest_token));
       }
+      if (op.applied) k.lease_until = TimePoint::min();
       return;
     case StoreOp::Kind::store_if_absent:
       return;
   }
+}
+
+void Recorder::applied_under(const KeyId& id, std::int64_t token, std::string_view what) {
+  const std::string key = fmt::format("{}/{}/{}", id.tenant, id.operation, id.key);
+  const KeyLog& k = w_.keys[key];
+  if (token != k.newest_token) {
+    w_.violate(Invariant::fencing,
+               fmt::format("{}: {} under token {} was applied, but token {} holds the key", key,
+                           what, token, k.newest_token));
+  }
+}
+
+bool Recorder::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
+  if (!StoreWrapper::renew(id, token, lease_until)) return false;
+  applied_under(id, token, "a lease renewal");
+  KeyLog& k = w_.keys[fmt::format("{}/{}/{}", id.tenant, id.operation, id.key)];
+  if (token == k.newest_token) k.lease_until = std::max(k.lease_until, lease_until);
+  return true;
+}
+
+bool Recorder::set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) {
+  if (!StoreWrapper::set_recovery_point(id, token, point)) return false;
+  applied_under(id, token, "a recovery point");
+  return true;
+}
+
+bool Recorder::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                            const std::string& step) {
+  if (!StoreWrapper::mark_pending(id, token, origin, step)) return false;
+  applied_under(id, token, fmt::format("step '{}' marked pending", step));
+  return true;
+}
+
+bool Recorder::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                           const StepCommit& step) {
+  if (!StoreWrapper::commit_step(id, token, origin, step)) return false;
+  applied_under(id, token, fmt::format("step '{}' committed", step.result.step));
+  return true;
+}
+
+std::vector<ReapedRecord> Recorder::reap(TimePoint lease_ended_before, std::size_t limit) {
+  std::vector<ReapedRecord> reaped = StoreWrapper::reap(lease_ended_before, limit);
+  // The reaper names keys by their hash only: a reaped reservation is found by its
+  // operation and token (tokens of one key never repeat).
+  for (const ReapedRecord& r : reaped) {
+    for (auto& [key, k] : w_.keys) {
+      if (k.newest_token == r.token &&
+          key.find(fmt::format("/{}/", r.operation)) != std::string::npos)
+        k.lease_until = TimePoint::min();
+    }
+  }
+  return reaped;
 }
 
 ScenarioResult run_plan(const Plan& plan, bool tracing) {
