@@ -224,7 +224,10 @@ TEST_CASE(
        "Authorization: Bearer sk_test_alpha\r\nAuthorization: Bearer sk_test_beta\r\n"
        "Idempotency-Key: k3\r\n"},
   };
-  for (const auto& [name, headers] : cases) {
+  for (const auto& entry : cases) {
+    // Not a structured binding: clang 14 cannot capture one in CAPTURE's lambda.
+    const auto& name = entry.first;
+    const auto& headers = entry.second;
     CAPTURE(name);
     const idem::test::RawReply r = idem::test::raw_exchange(s.port(), post_bytes(headers), false);
     CHECK(r.bytes.starts_with("HTTP/1.1 400"));
