@@ -1,6 +1,7 @@
 // `idem-demo simulate`: seeded whole-system scenarios from the command line.
 #include <fmt/format.h>
 
+#include <array>
 #include <chrono>
 #include <ctime>
 #include <fstream>
@@ -43,6 +44,7 @@ int run_simulate(const SimulateArgs& args) {
   std::uint64_t ran = 0, failed = 0;
   std::size_t requests = 0, attempts = 0, events = 0, crashes = 0, faults = 0;
   long long simulated_ms = 0;
+  std::array<std::size_t, sim::kInvariantCount> checked{};
   std::optional<sim::ScenarioResult> drawn;  // the first failure, else the first scenario
   sim::ScenarioOptions options;
   options.requests = args.steps;
@@ -61,6 +63,7 @@ int run_simulate(const SimulateArgs& args) {
     crashes += r.crashes;
     faults += r.faults;
     simulated_ms += r.simulated_ms;
+    for (std::size_t i = 0; i < checked.size(); ++i) checked[i] += r.checked[i];
     if (!r.ok()) {
       ++failed;
       std::cout << sim::describe(r) << std::flush;
@@ -87,6 +90,12 @@ int run_simulate(const SimulateArgs& args) {
       static_cast<double>(attempts) / n, static_cast<double>(events) / n,
       static_cast<double>(crashes) / n, static_cast<double>(faults) / n,
       static_cast<double>(simulated_ms) / n);
+  std::cout << "each invariant judged:";
+  for (std::size_t i = 0; i < checked.size(); ++i) {
+    std::cout << fmt::format("{} {} {}", i == 0 ? "" : ",",
+                             sim::to_string(static_cast<sim::Invariant>(i)), checked[i]);
+  }
+  std::cout << "\n";
   return failed == 0 ? 0 : 1;
 }
 

@@ -3,6 +3,7 @@
 // caught by an invariant within the suite's seeds.
 #include <doctest/doctest.h>
 #include <fmt/format.h>
+#include <array>
 
 #include <cstdint>
 #include <cstdlib>
@@ -78,8 +79,10 @@ TEST_CASE("simulation: the suite's seeded scenarios (10,000) hold every invarian
   REQUIRE(seeds > 0);
   std::uint64_t failed = 0;
   std::size_t requests = 0, attempts = 0, crashes = 0, faults = 0, charges = 0, events = 0;
+  std::array<std::size_t, idem::sim::kInvariantCount> checked{};
   for (std::uint64_t seed = 1; seed <= seeds; ++seed) {
     const idem::sim::ScenarioResult r = idem::sim::simulate(seed, options);
+    for (std::size_t i = 0; i < checked.size(); ++i) checked[i] += r.checked[i];
     requests += r.requests;
     attempts += r.attempts;
     crashes += r.crashes;
@@ -98,6 +101,12 @@ TEST_CASE("simulation: the suite's seeded scenarios (10,000) hold every invarian
   CHECK(faults > seeds / 10);
   CHECK(attempts > requests);
   CHECK(charges > seeds);
+  // Every invariant had something to judge, many times over.
+  for (std::size_t i = 0; i < checked.size(); ++i) {
+    const auto invariant = static_cast<idem::sim::Invariant>(i);
+    MESSAGE(fmt::format("{} judged {} times", idem::sim::to_string(invariant), checked[i]));
+    CHECK_MESSAGE(checked[i] > seeds / 100, idem::sim::to_string(invariant));
+  }
 }
 
 TEST_CASE("simulation: the same seed always runs the same way") {

@@ -56,10 +56,12 @@ void Provider::clear() {
   std::lock_guard lock(mutex_);
   faults_.clear();
   sink_ = nullptr;
+  sqlite::Transaction tx(ledger_->tx);  // one commit for both
   for (auto* s : {ledger_->clear_charges.get(), ledger_->clear_sequence.get()}) {
     sqlite::ResetGuard reset(*s);
     s->step();
   }
+  tx.commit();
 }
 
 void Provider::inject(Fault fault, std::size_t times) {

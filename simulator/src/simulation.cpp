@@ -291,10 +291,12 @@ class Pool {
   // Empties the database and the ledger, and points the provider at `clock`.
   void begin(SimulatedClock& clock) {
     clock_.target = &clock;
+    sqlite::Transaction tx(janitor_tx_);  // one commit for the three
     for (auto* clear : {&clear_keys_, &clear_outbox_, &clear_orders_}) {
       sqlite::ResetGuard reset(**clear);
       (*clear)->step();
     }
+    tx.commit();
     bank_->clear();
     psp_->clear();
     taken_ = 0;
@@ -357,6 +359,7 @@ class Pool {
       : name_(fmt::format("file:/idem-sim-{}-{}?vfs=memdb", getpid(),
                           counter().fetch_add(1, std::memory_order_relaxed))),
         janitor_(sqlite::open_connection(name_, &busy_)),
+        janitor_tx_(janitor_.get()),
         clock_ptr_(std::shared_ptr<SwitchedClock>(std::shared_ptr<SwitchedClock>{}, &clock_)) {
     stores_.push_back(
         std::make_shared<SqliteStore>(name_, SqliteOptions{.background_checkpoint = false}));
@@ -381,6 +384,7 @@ class Pool {
   sqlite::BusyPolicy busy_{std::chrono::seconds(5), {}};
   std::string name_;
   sqlite::Connection janitor_;  // keeps the memdb database alive between scenarios
+  sqlite::TransactionStatements janitor_tx_;
   SwitchedClock clock_;
   std::shared_ptr<Clock> clock_ptr_;  // not owning: the clock lives in the pool
   std::vector<std::shared_ptr<SqliteStore>> stores_;
@@ -548,6 +552,8 @@ struct World {
   void note(std::string who, std::string what) {
     note_at(clock->now(), std::move(who), std::move(what));
   }
+  std::array<std::size_t, kInvariantCount> checked{};
+  void judged(Invariant i, std::size_t n = 1) { checked[static_cast<std::size_t>(i)] += n; }
   void violate(Invariant i, std::string detail) {
     note("check", fmt::format("VIOLATION {}: {}", to_string(i), detail));
     violations.push_back({i, std::move(detail)});
@@ -611,6 +617,7 @@ struct World {
     auto& list = pending[key];
     if (list.empty()) return;
     std::vector<std::shared_ptr<Pending>> waiting = list;
+    judged(Invariant::waiters_wake);
     const TimePoint freed_at = clock->now();
     const TimePoint deadline = freed_at + Options{}.poll_max + 1ms;
     clock->call_at(deadline, [this, key, waiting, freed_at] {
@@ -674,6 +681,7 @@ struct World {
                           left.key, left.token, ms(left.lease_until), when, ms(now)));
     };
     auto left = oldest();
+    if (left) judged(Invariant::lease_bounded);
     // Overdue already at the last round that ran: that round should have cleared it.
     if (last_round &&
         overdue(left, plan.config.reap_after +
@@ -944,6 +952,7 @@ void World::run() {
 }
 
 void World::check() {
+  judged(Invariant::finished, plan.requests.size());
   if (finished_clients != plan.requests.size()) {
     violate(Invariant::finished,
             fmt::format("{} of {} clients never got a final answer or gave up",
@@ -961,12 +970,14 @@ void World::check() {
   std::map<std::string, std::vector<std::string>> orders_of;
   for (auto& [key, charge] : pool.orders()) orders_of[key].push_back(charge);
   for (const auto& [key, ids] : orders_of) {
+    judged(Invariant::at_most_once);
     if (ids.size() > 1) {
       violate(Invariant::at_most_once, fmt::format("{}: {} orders ({})", key, ids.size(),
                                                    fmt::format("{}", fmt::join(ids, ", "))));
     }
   }
   for (const auto& [key, ids] : charges_of) {
+    judged(Invariant::at_most_once);
     if (key.find(kOperations[kCheckout]) != std::string::npos && ids.size() > 1) {
       violate(Invariant::at_most_once,
               fmt::format("{}: the multi-step operation charged {} times ({})", key, ids.size(),
@@ -988,12 +999,14 @@ void World::check() {
   for (const auto& a : answers) {
     const PlannedRequest& r = plan.requests[static_cast<std::size_t>(a.request - 1)];
     nlohmann::json body = nlohmann::json::parse(a.body, nullptr, false);
+    judged(Invariant::right_payload);
     if (body.is_discarded() || body.value("tenant", "") != kTenants[r.tenant] ||
         body.value("key", "") != a.key || body.value("amount", -1LL) != r.amount) {
       violate(Invariant::right_payload, fmt::format("c{} ({} amount {}) was answered {}", a.request,
                                                     a.key, r.amount, a.body));
     }
     if (a.status == 200) {
+      judged(Invariant::success_charged);
       const std::string id = body.is_discarded() ? "" : body.value("charge_id", "");
       const auto& ids = charges_of[a.key];
       if (std::find(ids.begin(), ids.end(), id) == ids.end()) {
@@ -1010,6 +1023,7 @@ void World::check() {
     }
     if (!a.stored) continue;
     auto [it, fresh] = first_stored.emplace(a.key, &a);
+    if (!fresh) judged(Invariant::same_answer);
     if (!fresh && (it->second->status != a.status || it->second->body != a.body)) {
       violate(Invariant::same_answer,
               fmt::format("{}: c{} got {} {} but c{} got {} {}", a.key, it->second->request,
@@ -1062,6 +1076,8 @@ void Recorder::seen(const StoreOp& op) {
   switch (op.kind) {
     case StoreOp::Kind::reserve:
       if (op.reservation.kind == Reservation::Kind::existing) return;
+      w_.judged(Invariant::tokens_grow);
+      if (op.reservation.kind == Reservation::Kind::taken_over) w_.judged(Invariant::fencing);
       if (op.reservation.token <= k.newest_token) {
         w_.violate(Invariant::tokens_grow,
                    fmt::format("{}: a reservation got token {} after token {}", key,
@@ -1081,6 +1097,7 @@ void Recorder::seen(const StoreOp& op) {
       return;
     case StoreOp::Kind::complete:
     case StoreOp::Kind::release:
+      if (op.applied) w_.judged(Invariant::fencing);
       if (op.applied && op.token != k.newest_token) {
         w_.violate(Invariant::fencing,
                    fmt::format("{}: a {} under token {} was applied, but token {} holds the key",
@@ -1097,6 +1114,7 @@ void Recorder::seen(const StoreOp& op) {
 void Recorder::applied_under(const KeyId& id, std::int64_t token, std::string_view what) {
   const std::string key = fmt::format("{}/{}/{}", id.tenant, id.operation, id.key);
   const KeyLog& k = w_.keys[key];
+  w_.judged(Invariant::fencing);
   if (token != k.newest_token) {
     w_.violate(Invariant::fencing,
                fmt::format("{}: {} under token {} was applied, but token {} holds the key", key,
@@ -1162,6 +1180,7 @@ ScenarioResult run_plan(const Plan& plan, bool tracing) {
   out.charges = w.bank->charge_count();
   out.events = w.events;
   out.simulated_ms = w.ms(w.clock->now());
+  out.checked = w.checked;
   return out;
 }
 

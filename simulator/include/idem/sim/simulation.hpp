@@ -11,6 +11,7 @@
 //   if (!r.ok()) std::cout << idem::sim::describe(r);   // seed, plan, violations, trace
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -30,12 +31,16 @@ enum class Invariant {
   same_answer,      // every success for a key carries the same status and body bytes
   right_payload,    // a success answers the request's own tenant, key and amount
   tokens_grow,      // each reservation of a key gets a token above every earlier one
-  fencing,          // only the newest reservation of a key completes or releases it
+  fencing,          // only the newest reservation of a key completes, releases, renews or
+                    // records steps and recovery points for it, and nobody takes the key
+                    // over before that reservation's lease (as granted or renewed) ended
   lease_bounded,    // no reservation outlives its lease plus the reaper's delay
   waiters_wake,     // under InFlight::wait without crashes, stalls or store faults, no
                     // duplicate gives up (InProgressError): a freed key wakes its waiters
   finished,         // every client got a final answer, or gave up after its retries
 };
+
+inline constexpr std::size_t kInvariantCount = 9;
 
 const char* to_string(Invariant i) noexcept;
 
@@ -72,6 +77,12 @@ struct ScenarioResult {
   std::size_t requests = 0, attempts = 0, processes = 0, crashes = 0, faults = 0, charges = 0;
   std::size_t events = 0;  // handlers and clock instants the scenario ran
   long long simulated_ms = 0;
+  // How often each invariant had something to judge (indexed by Invariant): keys whose
+  // charges were counted, successes traced to the ledger, stored answers compared with an
+  // earlier one, answers whose payload was read, reservations granted, token-checked writes
+  // and takeovers, reaper rounds that found a reservation, keys freed with calls waiting,
+  // clients. A rule never judged proves nothing, so the suite checks none stays at zero.
+  std::array<std::size_t, kInvariantCount> checked{};
   bool ok() const noexcept { return violations.empty(); }
 };
 
