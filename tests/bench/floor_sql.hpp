@@ -30,6 +30,36 @@ SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, h
        body_ref, recovery_point
 FROM idem_keys WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
 
+// The design a user would write from seed 000's SQL without idem: a minimal table (no expiry
+// index, no CHECKs, no created_at, headers or recovery point), the reservation with
+// INSERT ... ON CONFLICT DO NOTHING RETURNING in one transaction, the token-checked UPDATE in
+// a second. ?1 tenant ?2 operation ?3 key.
+inline constexpr std::string_view kMinimalSchema = R"sql(
+CREATE TABLE IF NOT EXISTS naive_keys (
+  tenant      TEXT    NOT NULL,
+  operation   TEXT    NOT NULL,
+  key         TEXT    NOT NULL,
+  state       INTEGER NOT NULL,
+  fingerprint BLOB    NOT NULL,
+  lease_until INTEGER NOT NULL,
+  token       INTEGER NOT NULL,
+  status      INTEGER,
+  body        BLOB,
+  PRIMARY KEY (tenant, operation, key)))sql";
+// ?4 fingerprint ?5 lease_until ?6 token; returns the token when the row is new.
+inline constexpr std::string_view kMinimalReserve = R"sql(
+INSERT INTO naive_keys (tenant, operation, key, state, fingerprint, lease_until, token)
+VALUES (?1, ?2, ?3, 1, ?4, ?5, ?6)
+ON CONFLICT (tenant, operation, key) DO NOTHING
+RETURNING token)sql";
+// ?4 token ?5 status ?6 body.
+inline constexpr std::string_view kMinimalComplete = R"sql(
+UPDATE naive_keys SET state = 2, status = ?5, body = ?6
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+inline constexpr std::string_view kMinimalLoad = R"sql(
+SELECT state, token, fingerprint, status, body
+FROM naive_keys WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
+
 // Sizing: completed records written straight into idem's table. ?1 key ?2 fingerprint
 // ?3 expires_at ?4 body.
 inline constexpr std::string_view kBulkInsert = R"sql(
