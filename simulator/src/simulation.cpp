@@ -609,10 +609,11 @@ struct World {
     }
   }
 
-  // The holder of `key` freed it (completed and stored, or released after a failure): under
-  // InFlight::wait, one of the calls waiting then must go on within the polling bound (at
-  // once in this process, within poll_max from another).
-  void freed(const std::string& key) {
+  // The holder of `key` freed it: under InFlight::wait, the calls waiting then must go on
+  // within the polling bound (at once in this process, within poll_max from another). Every
+  // one of them once the answer is stored (`stored`: each gets the replay); at least one after
+  // a release (one takes the key over, the others may wait for it in turn).
+  void freed(const std::string& key, bool stored) {
     if (plan.config.policy != InFlight::wait || store_trouble || stalls) return;
     auto& list = pending[key];
     if (list.empty()) return;
@@ -620,13 +621,14 @@ struct World {
     judged(Invariant::waiters_wake);
     const TimePoint freed_at = clock->now();
     const TimePoint deadline = freed_at + Options{}.poll_max + 1ms;
-    clock->call_at(deadline, [this, key, waiting, freed_at] {
-      const bool any =
-          std::any_of(waiting.begin(), waiting.end(), [](const auto& p) { return p->progressed; });
-      if (!any) {
+    clock->call_at(deadline, [this, key, waiting, freed_at, stored] {
+      const auto went_on = static_cast<std::size_t>(std::count_if(
+          waiting.begin(), waiting.end(), [](const auto& p) { return p->progressed; }));
+      if (stored ? went_on < waiting.size() : went_on == 0) {
         violate(Invariant::waiters_wake,
-                fmt::format("{}: freed at t={}ms, none of its {} waiting calls went on by t={}ms",
-                            key, ms(freed_at), waiting.size(), ms(clock->now())));
+                fmt::format("{}: {} at t={}ms, {} of its {} waiting calls went on by t={}ms", key,
+                            stored ? "answered" : "released", ms(freed_at), went_on, waiting.size(),
+                            ms(clock->now())));
       }
     });
   }
@@ -892,7 +894,7 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
         said = fmt::format("<- {} {}{}", o.response.status, o.response.body,
                            o.replayed() ? " (replayed)" : "");
       final = true;
-      if (o.source == Outcome::Source::executed && stored) w.freed(key);
+      if (o.source == Outcome::Source::executed && stored) w.freed(key, true);
     }
   } catch (const InProgressError&) {
     said = "<- 409 in progress";
@@ -909,7 +911,7 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
     if (w.tracing) said = fmt::format("<- 503 {}", e.what());
   } catch (const ProviderTimeout&) {
     said = "<- 504 provider timed out";
-    if (!lost()) w.freed(key);
+    if (!lost()) w.freed(key, false);
   } catch (const ProcessDied&) {
     said = "gets no answer: its process died";
   } catch (const std::exception& e) {

@@ -36,7 +36,8 @@ enum class Invariant {
                     // over before that reservation's lease (as granted or renewed) ended
   lease_bounded,    // no reservation outlives its lease plus the reaper's delay
   waiters_wake,     // under InFlight::wait without crashes, stalls or store faults, no
-                    // duplicate gives up (InProgressError): a freed key wakes its waiters
+                    // duplicate gives up (InProgressError), and a freed key wakes its waiters:
+                    // all of them once its answer is stored, at least one after a release
   finished,         // every client got a final answer, or gave up after its retries
 };
 
