@@ -209,8 +209,9 @@ std::int64_t now_ms() {
       .count();
 }
 
-Stats floor_fresh(const Config& c, Synchronous sync, std::size_t n, bool checkpoints = true) {
-  Floor f(fresh_db(c, "floor"), sync, checkpoints);
+// n fresh keys through a floor's call(), timed one by one.
+template <class AnyFloor>
+Stats fresh_calls(AnyFloor& f, std::size_t n) {
   const std::string body = small_response().body;
   std::vector<double> lat;
   lat.reserve(n);
@@ -223,18 +224,14 @@ Stats floor_fresh(const Config& c, Synchronous sync, std::size_t n, bool checkpo
   return summarize(std::move(lat), micros_since(t0) / 1e6);
 }
 
+Stats floor_fresh(const Config& c, Synchronous sync, std::size_t n, bool checkpoints = true) {
+  Floor f(fresh_db(c, "floor"), sync, checkpoints);
+  return fresh_calls(f, n);
+}
+
 Stats minimal_floor_fresh(const Config& c, Synchronous sync, std::size_t n) {
   MinimalFloor f(fresh_db(c, "minimal-floor"), sync);
-  const std::string body = small_response().body;
-  std::vector<double> lat;
-  lat.reserve(n);
-  const auto t0 = Clock::now();
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto t = Clock::now();
-    f.call(key_of(i), body, now_ms());
-    lat.push_back(micros_since(t));
-  }
-  return summarize(std::move(lat), micros_since(t0) / 1e6);
+  return fresh_calls(f, n);
 }
 
 Stats floor_replay(const Config& c, Synchronous sync, std::size_t keys, std::size_t n) {
