@@ -394,6 +394,7 @@ class Pool {
 };
 
 struct World;
+struct KeyLog;
 
 // Sees every write that reached the database: the tokens granted and the completions and
 // releases that were applied (tokens_grow, fencing).
@@ -417,8 +418,9 @@ class Recorder final : public StoreWrapper {
 
  private:
   void seen(const StoreOp& op);
-  // A token-checked write other than complete and release was applied under `token`.
-  void applied_under(const KeyId& id, std::int64_t token, std::string_view what);
+  // A token-checked write other than complete and release was applied under `token`; returns
+  // the key's log.
+  KeyLog& applied_under(const KeyId& id, std::int64_t token, std::string_view what);
   World& w_;
 };
 
@@ -1113,21 +1115,21 @@ void Recorder::seen(const StoreOp& op) {
   }
 }
 
-void Recorder::applied_under(const KeyId& id, std::int64_t token, std::string_view what) {
+KeyLog& Recorder::applied_under(const KeyId& id, std::int64_t token, std::string_view what) {
   const std::string key = fmt::format("{}/{}/{}", id.tenant, id.operation, id.key);
-  const KeyLog& k = w_.keys[key];
+  KeyLog& k = w_.keys[key];
   w_.judged(Invariant::fencing);
   if (token != k.newest_token) {
     w_.violate(Invariant::fencing,
                fmt::format("{}: {} under token {} was applied, but token {} holds the key", key,
                            what, token, k.newest_token));
   }
+  return k;
 }
 
 bool Recorder::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
   if (!StoreWrapper::renew(id, token, lease_until)) return false;
-  applied_under(id, token, "a lease renewal");
-  KeyLog& k = w_.keys[fmt::format("{}/{}/{}", id.tenant, id.operation, id.key)];
+  KeyLog& k = applied_under(id, token, "a lease renewal");
   if (token == k.newest_token) k.lease_until = std::max(k.lease_until, lease_until);
   return true;
 }
