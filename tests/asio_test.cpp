@@ -294,3 +294,52 @@ TEST_CASE("asio: looks that keep failing while waiting back off, and the wait en
   CHECK(w.idem->metrics().ran_unprotected == 0);
   CHECK(w.provider->charge_count() == 0);
 }
+
+namespace {
+
+// Marks `gone` when the coroutine frame that holds it is destroyed.
+struct FrameGuard {
+  bool* gone;
+  ~FrameGuard() { *gone = true; }
+};
+
+net::awaitable<void> sleeper(idem::Clock& clock, idem::TimePoint until, bool* woke, bool* gone) {
+  const FrameGuard guard{gone};
+  co_await idem::async_sleep_until(clock, until);
+  *woke = true;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "asio: a waiting coroutine keeps its io_context running, one still waiting when the context "
+    "ends is destroyed with it, and its late deadline touches nothing") {
+  idem::sim::SimulatedClock clock;
+  const idem::TimePoint start = clock.now();
+  bool woke = false, gone = false, woke_late = false, gone_late = false;
+  {
+    net::io_context io;
+    net::co_spawn(io, sleeper(clock, start + 1s, &woke, &gone), [](std::exception_ptr) {});
+    net::co_spawn(io, sleeper(clock, start + 1h, &woke_late, &gone_late),
+                  [](std::exception_ptr) {});
+    io.poll();
+    // Both wait, parked outside any reactor, and are still work of the context, so run()
+    // would not return under them (a poll that finds no work left stops the context).
+    io.poll();
+    CHECK_FALSE(io.stopped());
+    CHECK_FALSE(woke);
+    clock.advance_to(start + 1s);  // the first one's deadline posts it
+    io.restart();
+    io.poll();
+    CHECK(woke);
+    CHECK(gone);
+    io.poll();
+    CHECK_FALSE(io.stopped());  // the second one still waits
+    CHECK_FALSE(gone_late);
+  }
+  // The context is gone: it destroyed the parked wait and the frame around it.
+  CHECK(gone_late);
+  CHECK_FALSE(woke_late);
+  clock.advance_to(start + 2h);  // the deadline's call finds nothing to wake (ASan watches)
+  CHECK_FALSE(woke_late);
+}

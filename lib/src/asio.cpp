@@ -7,14 +7,15 @@
 #include <boost/asio/async_result.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/execution_context.hpp>
 #include <boost/asio/post.hpp>
-#include <boost/asio/redirect_error.hpp>
-#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
+#include <utility>
 
 #include "attempt.hpp"
 #include "core.hpp"
@@ -27,23 +28,17 @@ namespace net = boost::asio;
 
 // A suspended coroutine that a completion (any thread) or a clock deadline wakes.
 //
-// The timer never expires on its own; a wake moves its expiry to the past, which both
-// completes a pending wait and makes the next wait complete at once (a wake that came
-// before the wait is not lost); each wait puts the expiry back when it ends. The waiter
-// lives in the coroutine's frame and so does the timer: only the coroutine's own thread
-// ever destroys it, while its io_context is alive. Other threads reach it through a small
-// shared Handle that the waiter disconnects when it goes, so a late wake from the clock's
-// thread or from a finishing request in another thread finds nothing to touch. Every use
-// of the timer is under the handle's mutex.
+// No I/O reactor takes part: the wait parks the coroutine's continuation in a small shared
+// Handle, and a wake posts it to the coroutine's executor. A wake that comes before the wait
+// is not lost (the next wait returns at once); each wait forgets wakes when it ends. A parked
+// coroutine still counts as work of its io_context (co_spawn holds work for a coroutine's
+// whole life), so run() does not return under a waiting call. Other threads reach the wait only
+// through the Handle (the in-flight registry and the clock keep it), so a late wake finds nothing
+// parked and touches nothing. If the io_context shuts down with continuations parked, its
+// ParkedWaits service destroys them, as the context destroys its own pending operations.
 class AsyncWaiter {
  public:
-  explicit AsyncWaiter(const net::any_io_executor& ex)
-      : timer_(ex, net::steady_timer::time_point::max()),
-        handle_(std::make_shared<Handle>(&timer_)) {}
-  ~AsyncWaiter() {
-    std::lock_guard lock(handle_->mutex);
-    handle_->timer = nullptr;
-  }
+  explicit AsyncWaiter(const net::any_io_executor& ex) : handle_(std::make_shared<Handle>(ex)) {}
   AsyncWaiter(const AsyncWaiter&) = delete;
   AsyncWaiter& operator=(const AsyncWaiter&) = delete;
 
@@ -52,34 +47,121 @@ class AsyncWaiter {
 
   net::awaitable<void> wait_until(Clock& clock, TimePoint at) {
     const Clock::TimerId id = clock.call_at(at, [handle = handle_] { handle->wake(); });
-    // A wake cancels the wait (operation_aborted): that is the signal, not an error.
-    boost::system::error_code ec;
-    auto token = net::redirect_error(net::use_awaitable, ec);
-    co_await net::async_initiate<decltype(token), void(boost::system::error_code)>(
-        [this](auto handler) {
-          std::lock_guard lock(handle_->mutex);
-          timer_.async_wait(std::move(handler));
-        },
-        token);
+    co_await net::async_initiate<decltype(net::use_awaitable), void()>(
+        [this](auto handler) { handle_->park(std::move(handler)); }, net::use_awaitable);
     clock.cancel(id);
-    std::lock_guard lock(handle_->mutex);
-    timer_.expires_at(net::steady_timer::time_point::max());
+    handle_->forget_wakes();
   }
 
  private:
-  struct Handle final : detail::Waiter {
-    explicit Handle(net::steady_timer* t) : timer(t) {}
+  class ParkedWaits;
+
+  struct Handle final : detail::Waiter, std::enable_shared_from_this<Handle> {
+    explicit Handle(const net::any_io_executor& ex);
+
     void wake() override {
-      std::lock_guard lock(mutex);
-      if (timer != nullptr) timer->expires_at(net::steady_timer::time_point::min());
+      std::function<void()> resume;
+      {
+        std::lock_guard lock(mutex);
+        if (!parked) {
+          woken = true;
+          return;
+        }
+        resume = std::exchange(parked, nullptr);
+        unregister();
+      }
+      resume();  // posts the continuation to its executor
     }
+
+    template <typename Handler>
+    void park(Handler handler) {
+      auto h = std::make_shared<Handler>(std::move(handler));
+      std::unique_lock lock(mutex);
+      if (woken) {
+        woken = false;
+        lock.unlock();
+        net::post(std::move(*h));
+        return;
+      }
+      parked = [h] { net::post(std::move(*h)); };
+      enlist();
+    }
+
+    void forget_wakes() {
+      std::lock_guard lock(mutex);
+      woken = false;
+    }
+
+    // For ParkedWaits::shutdown: takes the parked continuation out, to be destroyed unrun.
+    std::function<void()> abandon() {
+      std::lock_guard lock(mutex);
+      return std::exchange(parked, nullptr);
+    }
+
+    void enlist();      // requires mutex held
+    void unregister();  // requires mutex held
+
+    ParkedWaits& waits;
     std::mutex mutex;
-    net::steady_timer* timer;  // guarded by mutex; null once the waiter is gone
+    bool woken = false;            // guarded by mutex
+    std::function<void()> parked;  // guarded by mutex: posts the parked continuation
   };
 
-  net::steady_timer timer_;
+  // One per io_context: the Handles with a continuation parked. Locked after a Handle's
+  // mutex, never before.
+  class ParkedWaits final : public net::execution_context::service {
+   public:
+    static inline net::execution_context::id id;
+    explicit ParkedWaits(net::execution_context& context) : service(context) {}
+
+    void add(std::shared_ptr<Handle> h) {
+      std::lock_guard lock(mutex_);
+      parked_.insert(std::move(h));
+    }
+    void remove(Handle* h) {
+      std::lock_guard lock(mutex_);
+      if (const auto it = parked_.find(h); it != parked_.end()) parked_.erase(it);
+    }
+
+   private:
+    struct ByAddress {
+      using is_transparent = void;
+      bool operator()(const std::shared_ptr<Handle>& a, const std::shared_ptr<Handle>& b) const {
+        return a.get() < b.get();
+      }
+      bool operator()(const std::shared_ptr<Handle>& a, const Handle* b) const {
+        return a.get() < b;
+      }
+      bool operator()(const Handle* a, const std::shared_ptr<Handle>& b) const {
+        return a < b.get();
+      }
+    };
+    using Set = std::set<std::shared_ptr<Handle>, ByAddress>;
+
+    void shutdown() override {
+      Set parked;
+      {
+        std::lock_guard lock(mutex_);
+        parked.swap(parked_);
+      }
+      // Destroying a continuation destroys its coroutine's frames (and their waiters).
+      for (const auto& h : parked) {
+        std::function<void()> unrun = h->abandon();
+      }
+    }
+
+    std::mutex mutex_;
+    Set parked_;  // guarded by mutex_
+  };
+
   std::shared_ptr<Handle> handle_;
 };
+
+AsyncWaiter::Handle::Handle(const net::any_io_executor& ex)
+    : waits(net::use_service<ParkedWaits>(net::query(ex, net::execution::context))) {}
+
+void AsyncWaiter::Handle::enlist() { waits.add(shared_from_this()); }
+void AsyncWaiter::Handle::unregister() { waits.remove(this); }
 
 // Hands `op` to the coordinator's group commit and suspends until it is committed. The
 // first writer to find no leader posts the lead to its executor, so every coroutine that

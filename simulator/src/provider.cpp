@@ -56,6 +56,12 @@ void Provider::clear() {
   std::lock_guard lock(mutex_);
   faults_.clear();
   sink_ = nullptr;
+  {
+    // An empty ledger has nothing to forget (only clear() empties it, and it resets the
+    // sequence too), and a read costs no write transaction.
+    sqlite::ResetGuard reset(*ledger_->count);
+    if (ledger_->count->step() && ledger_->count->int64(0) == 0) return;
+  }
   sqlite::Transaction tx(ledger_->tx);  // one commit for both
   for (auto* s : {ledger_->clear_charges.get(), ledger_->clear_sequence.get()}) {
     sqlite::ResetGuard reset(*s);
@@ -124,8 +130,7 @@ ChargeResult Provider::finish(const PendingCharge& p) {
     l.insert->bind(3, p.idempotency_key);
     l.insert->bind(4, static_cast<std::int64_t>(clock_->now().time_since_epoch().count()));
     l.insert->step();
-    result.charge_id = charge_id(l.insert->int64(0));
-    l.insert->step();
+    result.charge_id = charge_id(l.insert->last_insert_rowid());
   }
   tx.commit();
   if (p.fault == Fault::charged_then_timeout) {

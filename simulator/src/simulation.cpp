@@ -9,8 +9,6 @@
 #include <atomic>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
-#include <boost/asio/redirect_error.hpp>
-#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <deque>
 #include <map>
@@ -320,7 +318,7 @@ class Pool {
   std::optional<Reserved> oldest_reservation(std::string_view except_operation) {
     sqlite::ResetGuard reset(*oldest_);
     oldest_->bind(1, except_operation);
-    if (!oldest_->step()) return std::nullopt;
+    if (!oldest_->step() || oldest_->is_null(4)) return std::nullopt;
     return Reserved{fmt::format("{}/{}/{}", oldest_->text(0), oldest_->text(1), oldest_->text(2)),
                     oldest_->int64(3), TimePoint(milliseconds(oldest_->int64(4)))};
   }
@@ -446,9 +444,28 @@ class ProcessClock final : public Clock {
 
 // What a client waits on while a process serves its request: the answer, or the process's
 // death (then the client hears nothing, as over a connection that was reset).
+//
+// The client sleeps in idem's own coroutine wait (async_sleep_until) on a clock of the
+// reply's, whose one deadline is "never" and which ring() fires at once: no I/O reactor
+// takes part, and a wait still parked when the world ends goes with the io_context.
+class Doorbell final : public Clock {
+ public:
+  TimePoint now() const override { return TimePoint{}; }
+  TimerId call_at(TimePoint, std::function<void()> fn) override {
+    ring_ = std::move(fn);
+    return 1;
+  }
+  void cancel(TimerId) override { ring_ = nullptr; }
+  void ring() {
+    if (auto fn = std::exchange(ring_, nullptr)) fn();
+  }
+
+ private:
+  std::function<void()> ring_;
+};
+
 struct Reply {
-  explicit Reply(net::io_context& io) : wake(io, net::steady_timer::time_point::max()) {}
-  net::steady_timer wake;  // cancelled when the answer comes or the process dies
+  Doorbell bell;  // rung when the answer comes or the process dies
   bool done = false;
   std::optional<Outcome> outcome;
   std::exception_ptr error;
@@ -642,8 +659,8 @@ struct World {
     note(fmt::format("p{}", c.process), "crashes (its coordinator and connection are gone)");
     p->alive = false;
     p->clock->stop();
-    p->faulty->set_unreachable(true);                      // a dead process writes nothing more
-    for (Reply* reply : p->waiting) reply->wake.cancel();  // its clients hear nothing
+    p->faulty->set_unreachable(true);                    // a dead process writes nothing more
+    for (Reply* reply : p->waiting) reply->bell.ring();  // its clients hear nothing
     clock->call_at(clock->now() + c.restart_after, [this, slot = c.process] {
       Process* old = slots[static_cast<std::size_t>(slot)];
       slots[static_cast<std::size_t>(slot)] = boot(slot, old->generation + 1);
@@ -753,7 +770,7 @@ net::awaitable<void> serve(Process& p, Request request, bool steps, AsyncAction 
     reply->error = std::current_exception();
   }
   reply->done = true;
-  reply->wake.cancel();
+  reply->bell.ring();
 }
 
 // One attempt of a request on process `p`. Returns true when the client has its final
@@ -873,13 +890,12 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
   }
   // The process serves the request in a coroutine of its own; the client waits for the answer
   // or the process's death.
-  auto reply = std::make_shared<Reply>(*w.io);
+  auto reply = std::make_shared<Reply>();
   p.waiting.push_back(reply.get());
   spawn(w, serve(p, std::move(request), r.operation == kCheckout, std::move(action),
                  std::move(steps), reply));
-  boost::system::error_code ec;
   // An answer that came before the wait began (a spawn that ran inline) is not waited for.
-  if (!reply->done) co_await reply->wake.async_wait(net::redirect_error(net::use_awaitable, ec));
+  if (!reply->done) co_await async_sleep_until(reply->bell, TimePoint::max());
   std::erase(p.waiting, reply.get());
   try {
     if (!reply->done) throw ProcessDied();

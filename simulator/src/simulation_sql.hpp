@@ -18,10 +18,11 @@ inline constexpr std::string_view kInsertOrder =
     "INSERT INTO sim_orders (order_key, charge_id) VALUES (?1, ?2)";
 inline constexpr std::string_view kOrders = "SELECT order_key, charge_id FROM sim_orders";
 // The in-progress reservation with the oldest lease, as the table holds it (state 1 is
-// in_progress), leaving out ?1's keys. Columns: tenant, operation, key, token, lease_until (ms).
+// in_progress), leaving out ?1's keys. Columns: tenant, operation, key, token, lease_until (ms),
+// all NULL if there is none. min() takes its other columns from the row it picks (SQLite's
+// rule for bare columns beside min), and costs a scan where ORDER BY ... LIMIT 1 built a sorter.
 inline constexpr std::string_view kOldestReservation = R"sql(
-SELECT tenant, operation, key, token, lease_until FROM idem_keys
-WHERE state = 1 AND operation <> ?1
-ORDER BY lease_until LIMIT 1)sql";
+SELECT tenant, operation, key, token, min(lease_until) FROM idem_keys
+WHERE state = 1 AND operation <> ?1)sql";
 
 }  // namespace idem::sim::sql

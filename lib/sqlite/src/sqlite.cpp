@@ -137,6 +137,10 @@ void Statement::reset() noexcept {
 
 int Statement::changes() const noexcept { return sqlite3_changes(db_); }
 
+std::int64_t Statement::last_insert_rowid() const noexcept {
+  return sqlite3_last_insert_rowid(db_);
+}
+
 int Statement::column_count() const noexcept { return sqlite3_column_count(stmt_.get()); }
 
 Statement::Type Statement::type(int column) const {

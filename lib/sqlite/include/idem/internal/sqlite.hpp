@@ -74,6 +74,8 @@ class Statement {
   void reset() noexcept;
   // Rows changed by the last INSERT, UPDATE or DELETE on this statement's connection.
   int changes() const noexcept;
+  // The rowid of the last row an INSERT added on this statement's connection.
+  std::int64_t last_insert_rowid() const noexcept;
 
   enum class Type { integer, real, text, blob, null };
   int column_count() const noexcept;
