@@ -15,8 +15,10 @@
 #include <utility>  // Boost 1.74's awaitable.hpp needs std::exchange declared first
 
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/beast/http.hpp>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -66,8 +68,12 @@ struct TempDir {
 struct World {
   TempDir dir;
   // One io_context for the whole run, as in the server: the operator routes' thread posts
-  // back to it, and may still be letting go of it after the reply is out.
+  // back to it, and may still be letting go of it after the reply is out. Its work is held
+  // for the whole run, as the server's pending accept holds it: otherwise that thread's late
+  // release can find the count at zero and stop the context after serve() restarted it,
+  // and run_one() returns 0 under a request that is only waiting for that thread.
   boost::asio::io_context io;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> busy{io.get_executor()};
   std::shared_ptr<idem::sim::SimulatedClock> clock;
   std::unique_ptr<idem::demo::PaymentsApi> api;
   std::size_t inputs = 0;
@@ -136,9 +142,11 @@ idem::demo::Reply serve(boost::asio::io_context& io, idem::demo::PaymentsApi& ap
   for (;;) {
     idem::sim::run(io, clock);  // every handler, on simulated time
     if (reply || threw) break;
-    // Work on another thread (the operator routes' reads) posts back to `io`.
+    // Work on another thread (the operator routes' reads) posts back to `io`. Within 5 s:
+    // a reply that never comes is a finding with this message, before libFuzzer's timeout.
     io.restart();
-    require(io.run_one() > 0, "a request in flight always gets its reply");
+    require(io.run_one_for(std::chrono::seconds(5)) > 0,
+            "a request in flight always gets its reply");
   }
   require(!threw, "the API never throws for a request");
   return std::move(*reply);

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <boost/asio/post.hpp>
+#include <boost/asio/co_spawn.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/thread_pool.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -311,20 +311,32 @@ struct PaymentsApi::Impl {
       if (!n || *n > 1000) co_return invalid_request("limit must be from 1 to 1000");
       limit = static_cast<std::size_t>(*n);
     }
-    const auto io = co_await net::this_coro::executor;
-    co_await net::post(operator_work, net::use_awaitable);
-    json list = json::array();
-    std::size_t count = 0;
-    std::string failure;
-    try {
-      for (const sim::Charge& c : provider->charges_after(after, limit)) {
-        list.push_back({{"id", c.id}, {"order_id", c.order_id}, {"amount", c.amount}});
-      }
-      count = provider->charge_count();
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-    co_await net::post(io, net::use_awaitable);
+    struct Page {
+      json list = json::array();
+      std::size_t count = 0;
+      std::string failure;
+    };
+    // A coroutine of the operator thread's own; this one resumes on the io thread when it
+    // is done. (A bare post to the pool would only hop through it: the completion runs on
+    // the awaiting coroutine's executor.)
+    Page read = co_await net::co_spawn(
+        operator_work,
+        [this, after, limit]() -> net::awaitable<Page> {
+          Page p;
+          try {
+            for (const sim::Charge& c : provider->charges_after(after, limit)) {
+              p.list.push_back({{"id", c.id}, {"order_id", c.order_id}, {"amount", c.amount}});
+            }
+            p.count = provider->charge_count();
+          } catch (const std::exception& e) {
+            p.failure = e.what();
+          }
+          co_return p;
+        },
+        net::use_awaitable);
+    json& list = read.list;
+    const std::size_t count = read.count;
+    const std::string& failure = read.failure;
     if (!failure.empty())
       co_return problem_reply(503, "ledger_unavailable", "Ledger unavailable", failure);
     json page = {{"count", count}, {"charges", list}, {"next", nullptr}};

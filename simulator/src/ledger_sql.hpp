@@ -5,9 +5,13 @@
 
 namespace idem::sim::sql {
 
+// A charge's seq (its id ch_<seq>) is one past the largest present: charges are only ever
+// deleted all together, by clear(), so no id is reused while its charge stands, and
+// AUTOINCREMENT's sequence table (an extra row to write per charge) is not needed. A ledger
+// file made with AUTOINCREMENT by an older version keeps working.
 inline constexpr std::string_view kLedgerSchema = R"sql(
 CREATE TABLE IF NOT EXISTS charges (
-  seq      INTEGER PRIMARY KEY AUTOINCREMENT,
+  seq      INTEGER PRIMARY KEY,
   order_id TEXT    NOT NULL,
   amount   INTEGER NOT NULL,
   idem_key TEXT    NOT NULL,
@@ -31,10 +35,8 @@ inline constexpr std::string_view kCount = "SELECT count(*) FROM charges";
 // ?1 seq ?2 limit: the charges made after charge ch_<?1>, in order.
 inline constexpr std::string_view kPage =
     "SELECT seq, order_id, amount, idem_key, at FROM charges WHERE seq > ?1 ORDER BY seq LIMIT ?2";
-// Forget every charge; ids start again at ch_1.
+// Forget every charge; ids start again at ch_1 (a new seq is one past the largest present).
 inline constexpr std::string_view kClearCharges = "DELETE FROM charges";
-inline constexpr std::string_view kClearSequence =
-    "DELETE FROM sqlite_sequence WHERE name = 'charges'";
 inline constexpr std::string_view kAll =
     "SELECT seq, order_id, amount, idem_key, at FROM charges ORDER BY seq";
 

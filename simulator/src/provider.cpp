@@ -18,8 +18,7 @@ struct Provider::Ledger {
   sqlite::BusyPolicy busy{std::chrono::seconds(30), {}};
   sqlite::Connection db;
   sqlite::TransactionStatements tx;
-  std::unique_ptr<sqlite::Statement> find, by_key, insert, count, all, page, clear_charges,
-      clear_sequence;
+  std::unique_ptr<sqlite::Statement> find, by_key, insert, count, all, page, clear_charges;
 
   explicit Ledger(const std::string& path)
       : db(sqlite::open_connection(path.empty() ? ":memory:" : path, &busy)), tx(db.get()) {
@@ -39,7 +38,6 @@ struct Provider::Ledger {
     all = make(sql::kAll);
     page = make(sql::kPage);
     clear_charges = make(sql::kClearCharges);
-    clear_sequence = make(sql::kClearSequence);
   }
 };
 
@@ -57,17 +55,12 @@ void Provider::clear() {
   faults_.clear();
   sink_ = nullptr;
   {
-    // An empty ledger has nothing to forget (only clear() empties it, and it resets the
-    // sequence too), and a read costs no write transaction.
+    // An empty ledger has nothing to forget, and a read costs no write transaction.
     sqlite::ResetGuard reset(*ledger_->count);
     if (ledger_->count->step() && ledger_->count->int64(0) == 0) return;
   }
-  sqlite::Transaction tx(ledger_->tx);  // one commit for both
-  for (auto* s : {ledger_->clear_charges.get(), ledger_->clear_sequence.get()}) {
-    sqlite::ResetGuard reset(*s);
-    s->step();
-  }
-  tx.commit();
+  sqlite::ResetGuard reset(*ledger_->clear_charges);
+  ledger_->clear_charges->step();
 }
 
 void Provider::inject(Fault fault, std::size_t times) {
