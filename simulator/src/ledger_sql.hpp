@@ -5,6 +5,10 @@
 
 namespace idem::sim::sql {
 
+// A ledger in memory (no file given) uses 1 KiB pages: its rows are small, and each commit
+// copies every page it changes twice (into the rollback journal, then the database).
+inline constexpr std::string_view kMemoryPageSize = "PRAGMA page_size = 1024";
+
 // A charge's seq (its id ch_<seq>) is one past the largest present: charges are only ever
 // deleted all together, by clear(), so no id is reused while its charge stands, and
 // AUTOINCREMENT's sequence table (an extra row to write per charge) is not needed. A ledger

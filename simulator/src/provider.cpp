@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <optional>
 
 #include "idem/internal/sqlite.hpp"
 #include "ledger_sql.hpp"
@@ -22,6 +23,7 @@ struct Provider::Ledger {
 
   explicit Ledger(const std::string& path)
       : db(sqlite::open_connection(path.empty() ? ":memory:" : path, &busy)), tx(db.get()) {
+    if (path.empty()) sqlite::exec(db.get(), sql::kMemoryPageSize);  // before the schema
     sqlite::enable_wal(db.get(), busy);
     {
       sqlite::Transaction schema(tx);
@@ -106,9 +108,13 @@ ChargeResult Provider::finish(const PendingCharge& p) {
     return ChargeResult{true, "", "insufficient_funds", false};
   }
   Ledger& l = *ledger_;
-  sqlite::Transaction tx(l.tx);
+  // A look-up and an insert must be one transaction (another process may charge the same
+  // key between them); a lone insert is atomic by itself.
+  const bool look_up = options_.dedup && !p.idempotency_key.empty();
+  std::optional<sqlite::Transaction> tx;
+  if (look_up) tx.emplace(l.tx);
   ChargeResult result;
-  if (options_.dedup && !p.idempotency_key.empty()) {
+  if (look_up) {
     sqlite::ResetGuard reset(*l.find);
     l.find->bind(1, p.idempotency_key);
     if (l.find->step()) {
@@ -125,7 +131,7 @@ ChargeResult Provider::finish(const PendingCharge& p) {
     l.insert->step();
     result.charge_id = charge_id(l.insert->last_insert_rowid());
   }
-  tx.commit();
+  if (tx) tx->commit();
   if (p.fault == Fault::charged_then_timeout) {
     emit(result.deduplicated
              ? fmt::format(

@@ -359,6 +359,9 @@ class Pool {
         janitor_(sqlite::open_connection(name_, &busy_)),
         janitor_tx_(janitor_.get()),
         clock_ptr_(std::shared_ptr<SwitchedClock>(std::shared_ptr<SwitchedClock>{}, &clock_)) {
+    // The janitor writes the database first, so the database gets its page size.
+    sqlite::exec(janitor_.get(), sql::kPageSize);
+    sqlite::exec(janitor_.get(), sql::kCreateOrders);
     stores_.push_back(
         std::make_shared<SqliteStore>(name_, SqliteOptions{.background_checkpoint = false}));
     // The latency is the action's to wait (half before the charge, half after), so one
@@ -367,7 +370,6 @@ class Pool {
     // The multi-step operation pays through a provider that honours idempotency keys, as
     // seed 000's design requires of every external step (the derived key).
     psp_ = std::make_unique<Provider>(clock_ptr_, ProviderOptions{.latency = 0ms, .dedup = true});
-    sqlite::exec(janitor_.get(), sql::kCreateOrders);
     clear_keys_.emplace(janitor_.get(), sql::kClearKeys);
     clear_outbox_.emplace(janitor_.get(), sql::kClearOutbox);
     clear_orders_.emplace(janitor_.get(), sql::kClearOrders);

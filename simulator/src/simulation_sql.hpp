@@ -6,6 +6,12 @@
 
 namespace idem::sim::sql {
 
+// The shared in-memory database's pages: 1 KiB, not the default 4 KiB. A scenario's tables
+// hold a few small rows, and every commit copies each page it changes into the rollback
+// journal and then into the database, and every connection re-reads whole pages after
+// another one wrote: smaller pages took 7 % off a scenario's instructions.
+inline constexpr std::string_view kPageSize = "PRAGMA page_size = 1024";
+
 // The shop's orders, written by the multi-step operation's local step (one row per run, so
 // a step that ran twice shows as two rows).
 inline constexpr std::string_view kCreateOrders =
