@@ -20,26 +20,31 @@ void check(bool ok, std::string_view what) {
 
 namespace {
 
-void check_option(bool ok, std::string_view what) { check(ok, fmt::format("options: {}", what)); }
+// Throws invalid_argument "idem: options: <what>" unless `ok`. The message is formatted only
+// when it is thrown: a service makes a coordinator per process and per restart, and a
+// simulator many thousands of them.
+template <typename... Args>
+void check_option(bool ok, fmt::format_string<Args...> what, Args&&... args) {
+  if (!ok) check(false, fmt::format("options: {}", fmt::format(what, std::forward<Args>(args)...)));
+}
 
 std::shared_ptr<Store> checked(std::shared_ptr<Store> store, const Options& o) {
   using std::chrono::minutes;
   check_option(store != nullptr, "a store is required");
-  auto check_ttl = [&](std::chrono::milliseconds ttl, std::string_view name) {
-    check_option(
-        ttl >= minutes(1),
-        fmt::format("{} is {} ms; a TTL is at least one minute (60000 ms)", name, ttl.count()));
-    check_option(o.lease < ttl, fmt::format("lease ({} ms) must be shorter than {} ({} ms)",
-                                            o.lease.count(), name, ttl.count()));
+  auto check_ttl = [&](std::chrono::milliseconds ttl, std::string_view name, std::string_view op) {
+    check_option(ttl >= minutes(1), "{}{} is {} ms; a TTL is at least one minute (60000 ms)", name,
+                 op, ttl.count());
+    check_option(o.lease < ttl, "lease ({} ms) must be shorter than {}{} ({} ms)", o.lease.count(),
+                 name, op, ttl.count());
   };
   check_option(o.lease.count() > 0, "lease must be positive");
-  check_ttl(o.ttl, "ttl");
-  for (const auto& [op, ttl] : o.ttl_by_operation) check_ttl(ttl, fmt::format("ttl for '{}'", op));
+  check_ttl(o.ttl, "ttl", "");
+  for (const auto& [op, ttl] : o.ttl_by_operation)
+    check_ttl(ttl, "ttl for ", fmt::format("'{}'", op));
   check_option(o.heartbeat.count() >= 0, "heartbeat must not be negative");
-  check_option(
-      o.heartbeat.count() == 0 || o.heartbeat < o.lease,
-      fmt::format("heartbeat ({} ms) must be shorter than the lease ({} ms), or 0 for none",
-                  o.heartbeat.count(), o.lease.count()));
+  check_option(o.heartbeat.count() == 0 || o.heartbeat < o.lease,
+               "heartbeat ({} ms) must be shorter than the lease ({} ms), or 0 for none",
+               o.heartbeat.count(), o.lease.count());
   check_option(o.max_wait.count() >= 0, "max_wait must not be negative");
   check_option(o.poll_initial.count() > 0, "poll_initial must be positive");
   check_option(o.poll_max >= o.poll_initial, "poll_max must not be below poll_initial");

@@ -96,15 +96,16 @@ ChargeResult Provider::charge(const std::string& order_id, std::int64_t amount,
 
 ChargeResult Provider::finish(const PendingCharge& p) {
   std::unique_lock lock(mutex_);
-  auto emit = [&](const std::string& line) {
-    if (sink_) sink_(clock_->now(), line);
+  // An event line is formatted only for a listener.
+  auto emit = [&]<typename... Args>(fmt::format_string<Args...> line, Args&&... args) {
+    if (sink_) sink_(clock_->now(), fmt::format(line, std::forward<Args>(args)...));
   };
   if (p.fault == Fault::timeout) {
-    emit(fmt::format("provider: charge for {} timed out, nothing charged", p.order_id));
+    emit("provider: charge for {} timed out, nothing charged", p.order_id);
     throw ProviderTimeout();
   }
   if (p.fault == Fault::decline) {
-    emit(fmt::format("provider: charge for {} declined (insufficient funds)", p.order_id));
+    emit("provider: charge for {} declined (insufficient funds)", p.order_id);
     return ChargeResult{true, "", "insufficient_funds", false};
   }
   Ledger& l = *ledger_;
@@ -133,18 +134,19 @@ ChargeResult Provider::finish(const PendingCharge& p) {
   }
   if (tx) tx->commit();
   if (p.fault == Fault::charged_then_timeout) {
-    emit(result.deduplicated
-             ? fmt::format(
-                   "provider: duplicate charge for {} recognised as {}, answer lost (timed out)",
-                   p.order_id, result.charge_id)
-             : fmt::format("provider: charged {} for {}, answer lost (timed out)", result.charge_id,
-                           p.order_id));
+    if (result.deduplicated) {
+      emit("provider: duplicate charge for {} recognised as {}, answer lost (timed out)",
+           p.order_id, result.charge_id);
+    } else {
+      emit("provider: charged {} for {}, answer lost (timed out)", result.charge_id, p.order_id);
+    }
     throw ProviderTimeout();
   }
-  emit(result.deduplicated
-           ? fmt::format("provider: duplicate charge for {} recognised, returned {}", p.order_id,
-                         result.charge_id)
-           : fmt::format("provider: charged {} for {}", result.charge_id, p.order_id));
+  if (result.deduplicated) {
+    emit("provider: duplicate charge for {} recognised, returned {}", p.order_id, result.charge_id);
+  } else {
+    emit("provider: charged {} for {}", result.charge_id, p.order_id);
+  }
   if (p.fault == Fault::crash) {
     lock.unlock();
     options_.crash();
