@@ -63,7 +63,7 @@ std::pair<Mark, std::string> drawn(const LogEvent& e) {
       {"release_failed", Mark::error, "release failed"},
       {"complete_failed", Mark::error, "complete failed"},
       {"interrupted", Mark::error, "interrupted"},
-      {"lease_lost", Mark::error, "lease lost"},
+      {"lease_lost", Mark::lease_lost, "lease lost"},
       {"step_recorded", Mark::note, ""},
       {"step_reconciled", Mark::note, ""},
       {"resumed", Mark::note, ""},

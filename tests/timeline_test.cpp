@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <set>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -334,4 +335,35 @@ TEST_CASE("demo: idem-demo table --svg DIR writes the figures and prints their p
   const std::string printed = read_file(log);
   CHECK(printed.find("wrote " + out + "/in-flight.svg\n") != std::string::npos);
   CHECK(parse_xml(read_file(std::filesystem::path(out) / "in-flight.svg"))->name == "svg");
+}
+
+TEST_CASE("timeline: a holder that finds its lease lost holds the key no more from that mark on") {
+  TimelinePanel p;
+  p.title = "zombie";
+  p.lanes = {"idem@p0", "idem@p1"};
+  p.events = {
+      TimelineEvent{0, "idem@p0", Mark::reserve, "reserved"},
+      TimelineEvent{1000, "idem@p1", Mark::takeover, "took over"},
+      TimelineEvent{1500, "idem@p0", Mark::lease_lost, "lease lost"},
+      TimelineEvent{2000, "idem@p1", Mark::complete, "completed"},
+  };
+  const auto root = parse_xml(idem::sim::timeline_svg("t", std::span<const TimelinePanel>(&p, 1)));
+  const auto panels = panels_of(*root);
+  REQUIRE(panels.size() == 1);
+  std::vector<const Element*> holds;
+  double lost_y = -1;
+  panels[0]->walk([&](const Element& e) {
+    if (e.has_class("bar") && e.has_class("hold")) holds.push_back(&e);
+    if (e.has_class("mark") && e.has_class("lease_lost")) {
+      const std::string t = e.attr("transform");  // translate(x,y)
+      lost_y = std::stod(t.substr(t.find(',') + 1));
+    }
+  });
+  REQUIRE(holds.size() == 2);  // p0's reservation, p1's takeover
+  REQUIRE(lost_y > 0);
+  // p0's bar is the one that starts first; it ends where its lease_lost is drawn.
+  const Element* first =
+      std::stod(holds[0]->attr("y")) < std::stod(holds[1]->attr("y")) ? holds[0] : holds[1];
+  const double end = std::stod(first->attr("y")) + std::stod(first->attr("height"));
+  CHECK(end == doctest::Approx(lost_y).epsilon(0.001));
 }

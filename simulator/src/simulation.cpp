@@ -254,7 +254,7 @@ Mark classify(const std::string& who, const std::string& what) {
         {"completed", Mark::complete},    {"released", Mark::release},
         {"replayed", Mark::replay},       {"in_progress", Mark::conflict},
         {"waiting", Mark::wait},          {"key_reuse", Mark::reuse},
-        {"lease_lost", Mark::error},      {"store_unavailable", Mark::error},
+        {"lease_lost", Mark::lease_lost}, {"store_unavailable", Mark::error},
         {"complete_failed", Mark::error}, {"release_failed", Mark::error}};
     const auto it = kEvents.find(what.substr(0, what.find(' ')));
     return it == kEvents.end() ? Mark::note : it->second;

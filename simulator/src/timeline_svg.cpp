@@ -42,6 +42,8 @@ std::string_view to_string(Mark mark) {
       return "crash";
     case Mark::takeover:
       return "takeover";
+    case Mark::lease_lost:
+      return "lease_lost";
     case Mark::note:
       return "note";
     case Mark::answer:
@@ -148,6 +150,9 @@ std::string shape(Mark mark) {
              R"(stroke-width="2"/>)";
     case Mark::error:
       return R"(<path d="M-5,-5 L5,5 M5,-5 L-5,5" stroke="#b91c1c" stroke-width="2.5"/>)";
+    case Mark::lease_lost:
+      return R"(<rect x="-5" y="-5" width="10" height="10" fill="#ffffff" stroke="#b91c1c" )"
+             R"(stroke-width="2"/><path d="M-5,5 L5,-5" stroke="#b91c1c" stroke-width="2"/>)";
     case Mark::crash:
       return R"(<circle r="7" fill="#111827"/>)"
              R"(<path d="M-3.5,-3.5 L3.5,3.5 M3.5,-3.5 L-3.5,3.5" stroke="#ffffff" )"
@@ -187,6 +192,8 @@ std::string_view meaning(Mark mark) {
       return "releases the key";
     case Mark::error:
       return "error";
+    case Mark::lease_lost:
+      return "loses the key (lease taken over)";
     case Mark::crash:
       return "process dies";
     case Mark::note:
@@ -199,12 +206,13 @@ std::string_view meaning(Mark mark) {
 
 constexpr Mark kAllMarks[] = {Mark::send,     Mark::reserve, Mark::takeover, Mark::wait,
                               Mark::wake,     Mark::charge,  Mark::complete, Mark::replay,
-                              Mark::conflict, Mark::reuse,   Mark::release,  Mark::error,
-                              Mark::crash,    Mark::answer,  Mark::note};
+                              Mark::conflict, Mark::reuse,   Mark::release,  Mark::lease_lost,
+                              Mark::error,    Mark::crash,   Mark::answer,   Mark::note};
 
 bool opens_hold(Mark m) { return m == Mark::reserve || m == Mark::takeover; }
 bool closes_hold(Mark m) {
-  return m == Mark::complete || m == Mark::release || m == Mark::crash || m == Mark::takeover;
+  return m == Mark::complete || m == Mark::release || m == Mark::crash || m == Mark::takeover ||
+         m == Mark::lease_lost;
 }
 bool closes_wait(Mark m) {
   return m == Mark::wake || m == Mark::replay || m == Mark::conflict || m == Mark::error;

@@ -22,21 +22,22 @@ namespace idem::sim {
 // (bars close first in, first out). A `send` draws a thin line to the lane's next `answer`
 // (the request is open). A bar or line nothing closes runs to the panel's last instant.
 enum class Mark {
-  send,      // a client sends a request
-  reserve,   // a request reserved the key (it now holds it)
-  wait,      // a request found the key held and waits for the holder's outcome
-  wake,      // a waiting request was woken
-  charge,    // money moved: the provider made a charge
-  complete,  // the holder stored its outcome and gave up the key
-  replay,    // a stored outcome was answered again; nothing ran
-  conflict,  // 409: the key is held by a request in flight
-  reuse,     // 422: the same key with a different request
-  release,   // the holder released the key without an outcome (the action failed)
-  error,     // something failed (a store error, a timeout)
-  crash,     // a process died
-  takeover,  // a request took over a reservation whose lease had expired
-  note,      // anything else
-  answer,    // a client receives its answer (a response or an error)
+  send,        // a client sends a request
+  reserve,     // a request reserved the key (it now holds it)
+  wait,        // a request found the key held and waits for the holder's outcome
+  wake,        // a waiting request was woken
+  charge,      // money moved: the provider made a charge
+  complete,    // the holder stored its outcome and gave up the key
+  replay,      // a stored outcome was answered again; nothing ran
+  conflict,    // 409: the key is held by a request in flight
+  reuse,       // 422: the same key with a different request
+  release,     // the holder released the key without an outcome (the action failed)
+  error,       // something failed (a store error, a timeout)
+  crash,       // a process died
+  takeover,    // a request took over a reservation whose lease had expired
+  lease_lost,  // the holder found its lease gone (taken over): it holds the key no more
+  note,        // anything else
+  answer,      // a client receives its answer (a response or an error)
 };
 
 // "send", "reserve", ...: the mark's name as the SVG's class attribute carries it.
