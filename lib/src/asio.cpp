@@ -14,7 +14,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <set>
+#include <unordered_map>
 #include <utility>
 
 #include "attempt.hpp"
@@ -116,42 +116,30 @@ class AsyncWaiter {
 
     void add(std::shared_ptr<Handle> h) {
       std::lock_guard lock(mutex_);
-      parked_.insert(std::move(h));
+      Handle* const at = h.get();
+      parked_.emplace(at, std::move(h));
     }
     void remove(Handle* h) {
       std::lock_guard lock(mutex_);
-      if (const auto it = parked_.find(h); it != parked_.end()) parked_.erase(it);
+      parked_.erase(h);
     }
 
    private:
-    struct ByAddress {
-      using is_transparent = void;
-      bool operator()(const std::shared_ptr<Handle>& a, const std::shared_ptr<Handle>& b) const {
-        return a.get() < b.get();
-      }
-      bool operator()(const std::shared_ptr<Handle>& a, const Handle* b) const {
-        return a.get() < b;
-      }
-      bool operator()(const Handle* a, const std::shared_ptr<Handle>& b) const {
-        return a < b.get();
-      }
-    };
-    using Set = std::set<std::shared_ptr<Handle>, ByAddress>;
-
     void shutdown() override {
-      Set parked;
+      std::unordered_map<Handle*, std::shared_ptr<Handle>> parked;
       {
         std::lock_guard lock(mutex_);
         parked.swap(parked_);
       }
-      // Destroying a continuation destroys its coroutine's frames (and their waiters).
-      for (const auto& h : parked) {
+      // Destroying a continuation destroys its coroutine's frames (and their waiters); the
+      // map keeps each Handle alive meanwhile.
+      for (const auto& [at, h] : parked) {
         std::function<void()> unrun = h->abandon();
       }
     }
 
     std::mutex mutex_;
-    Set parked_;  // guarded by mutex_
+    std::unordered_map<Handle*, std::shared_ptr<Handle>> parked_;  // guarded by mutex_
   };
 
   std::shared_ptr<Handle> handle_;
