@@ -9,14 +9,25 @@
 //
 // A blocking writer never depends on an event loop: if no round is running it leads at once
 // (even when a coroutine's round is posted but has not started), and a hand-off goes to a
-// queued blocking writer first. A coroutine writer posts its round to its executor, so every
-// coroutine that becomes ready in the same turn joins the batch; its ops may also be
-// committed by any other leader. The io_context of a coroutine that is waiting here must
-// outlive the wait (as for any Asio operation in progress).
+// queued blocking writer first. A blocking leader whose last round carried other writers'
+// ops first yields its CPU a few times, while that lets the queue grow (the threads it just
+// woke are on their way back with their next writes): threads then batch as coroutines do,
+// and a lone caller never waits. Where a yield hands the CPU to a thread busy with other work
+// (a slow yield), gathering backs off.
+//
+// A coroutine writer posts its round to its executor, so every coroutine that becomes ready
+// in the same turn joins the batch; its ops may also be committed by any other leader. The
+// io_context of a coroutine that is waiting here must outlive the wait (as for any Asio operation
+// in progress).
+//
+// Writers are told after the queue's lock is released, so a woken thread does not go
+// straight back to sleep on that lock.
 #pragma once
 
-#include <condition_variable>
+#include <atomic>
+#include <cstddef>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -32,10 +43,10 @@ class GroupCommit {
   GroupCommit& operator=(const GroupCommit&) = delete;
 
   // What a queued writer is told: its op is committed (its results are in the op), or it is
-  // to run the next round (blocking: call round() now; coroutine: post lead()).
+  // to run the next round (blocking: run it now; coroutine: post lead()).
   enum class Signal { committed, lead };
-  // Called with the queue's lock held: must only record the signal or post work, never call
-  // back into this GroupCommit.
+  // Called without the queue's lock: may post work; must not call back into this
+  // GroupCommit before returning.
   using Notify = std::function<void(Signal)>;
 
   // For a blocking caller: queues `op`, leads a round or waits for one, and returns once
@@ -51,12 +62,25 @@ class GroupCommit {
   void lead() noexcept;
 
  private:
-  struct Pending {
-    StoreOp* op;
-    Notify notify;
-    bool blocking;  // a thread waiting in commit(), which can run a round at once
+  // A blocking thread's doorbell, one per thread, shared with the round that rings it so a
+  // ring that comes late never touches a dead object.
+  struct Bell {
+    std::atomic<int> rung{0};  // 0, or 1 + Signal
+    void ring(Signal s);
+    Signal wait();  // until rung; resets it
   };
 
+  struct Pending {
+    StoreOp* op;
+    Notify notify;               // a coroutine writer
+    std::shared_ptr<Bell> bell;  // a blocking writer, which can run a round at once
+    void tell(Signal s) const;
+  };
+
+  // Runs the round of a blocking leader whose own op is queued.
+  void lead_blocking(std::unique_lock<std::mutex>& lock);
+  // Yields the CPU while that lets the queue grow; backs off when a yield is slow.
+  void gather(std::unique_lock<std::mutex>& lock);
   // Runs one round; requires committing_ set by the caller. Returns with the lock released.
   void round(std::unique_lock<std::mutex>& lock) noexcept;
 
@@ -65,6 +89,9 @@ class GroupCommit {
   std::vector<Pending> queue_;  // guarded by mutex_
   bool committing_ = false;     // guarded by mutex_: a round is running (or handed to a thread)
   bool lead_posted_ = false;    // guarded by mutex_: a coroutine's round is posted, not started
+  std::size_t last_batch_ = 0;  // guarded by mutex_: ops in the last round
+  int gather_skips_ = 0;        // guarded by mutex_: rounds left that do not gather
+  int gather_backoff_ = 1;      // guarded by mutex_: how many to skip after a slow gather
 };
 
 }  // namespace idem::detail
