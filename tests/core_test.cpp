@@ -11,6 +11,7 @@
 
 #include "../lib/src/decide.hpp"
 #include "../lib/src/group_commit.hpp"
+#include "../lib/src/read_first.hpp"
 #include "../lib/src/sql.hpp"
 #include "bench/floor_sql.hpp"
 #include "idem/store_wrapper.hpp"
@@ -84,15 +85,20 @@ TEST_CASE("decide: SPEC §4, row by row") {
 
 namespace {
 
-// Counts apply() calls and the ops they carried; can run a hook inside the first apply().
+// Counts apply() calls and the ops they carried, and reads; can run a hook inside the first
+// apply().
 struct CountingStore final : idem::StoreWrapper {
   using StoreWrapper::StoreWrapper;
-  std::atomic<int> applies{0}, ops{0};
+  std::atomic<int> applies{0}, ops{0}, loads{0};
   std::function<void()> during_first_apply;
   void apply(std::span<idem::StoreOp* const> batch) override {
     if (applies.fetch_add(1) == 0 && during_first_apply) during_first_apply();
     ops += static_cast<int>(batch.size());
     StoreWrapper::apply(batch);
+  }
+  std::optional<idem::Record> load(const idem::KeyId& id) override {
+    ++loads;
+    return StoreWrapper::load(id);
   }
 };
 
@@ -213,6 +219,75 @@ TEST_CASE("group commit: threads that write at once share transactions, each op 
   CHECK(rounds < 20);  // writers overlapped and were batched
   idem::test::RawDb raw(dir.file("g.db"));
   CHECK(raw.rows() == (rounds + 1) * kThreads * kEach);
+}
+
+TEST_CASE("read first: reserve at once while few calls find a record, read first while many do") {
+  idem::detail::ReadFirst rule;
+  CHECK_FALSE(rule.now());  // a new coordinator reserves at once
+  // One call in sixteen finds a record (a few client retries): never worth a read first.
+  for (int i = 0; i < 400; ++i) {
+    if (i % 16 == 0)
+      rule.found();
+    else
+      rule.fresh();
+    CHECK_FALSE(rule.now());
+  }
+  // One in three (a retry storm): reads first within a few calls, and stays so.
+  int reading = 0;
+  for (int i = 0; i < 400; ++i) {
+    if (i % 3 == 0)
+      rule.found();
+    else
+      rule.fresh();
+    if (i >= 30) reading += rule.now() ? 1 : 0;
+  }
+  CHECK(reading == 370);
+  // The storm ends: back to reserving at once within a few dozen calls.
+  for (int i = 0; i < 40; ++i) rule.fresh();
+  CHECK_FALSE(rule.now());
+}
+
+TEST_CASE(
+    "read first: a fresh key costs no read, a duplicate found by the reservation is "
+    "answered alike, and duplicates bring the read back") {
+  auto sqlite = std::make_shared<idem::SqliteStore>(":memory:");
+  auto store = std::make_shared<CountingStore>(sqlite);
+  idem::Coordinator idem(store, idem::Options{});
+  int charges = 0;
+  const auto charge = [&charges] {
+    ++charges;
+    return idem::Response{200, fmt::format(R"({{"charge_id":"ch_{}"}})", charges), {}};
+  };
+  const idem::Outcome first = idem.call(idem::test::request("k1"), charge);
+  CHECK(store->loads == 0);  // reserved, ran, completed: two writes, no read
+  CHECK(store->applies == 2);
+  CHECK(charges == 1);
+  // The duplicate's reservation finds the completed record: the same replay a read gives.
+  const idem::Outcome again = idem.call(idem::test::request("k1"), charge);
+  CHECK(again.replayed());
+  CHECK(again.response == first.response);
+  CHECK(store->loads == 0);
+  CHECK(store->applies == 3);
+  // Another payload under the key: 422 all the same, and the record is untouched.
+  CHECK_THROWS_AS(idem.call(idem::test::request("k1", 100), charge), idem::KeyReuseError);
+  CHECK(store->load({"alpha", "payment.charge", "k1"})->response == first.response);
+  store->loads = 0;
+  // Duplicates keep coming: calls read first, and a replay then takes no write at all.
+  for (int i = 0; i < 5; ++i) CHECK(idem.call(idem::test::request("k1"), charge).replayed());
+  CHECK(store->loads > 0);
+  const int applies = store->applies;
+  const int loads = store->loads;
+  CHECK(idem.call(idem::test::request("k1"), charge).replayed());
+  CHECK(store->applies == applies);
+  CHECK(store->loads == loads + 1);
+  CHECK(charges == 1);
+  // Fresh keys again: after a while, no reads.
+  for (int i = 0; i < 40; ++i) idem.call(idem::test::request(fmt::format("n{}", i)), charge);
+  CHECK(charges == 41);
+  const int settled = store->loads;
+  idem.call(idem::test::request("last"), charge);
+  CHECK(store->loads == settled);
+  CHECK(charges == 42);
 }
 
 TEST_CASE("bench: the floor runs idem's own statements") {

@@ -1,6 +1,7 @@
 // What every call of one Coordinator shares: the store, the options, the clock, the
-// counters, the in-process registry of held keys and the group commit. The flow (flow.hpp)
-// of each call works on it; the drivers (coordinator.cpp, asio.cpp) only hand it effects.
+// counters, the in-process registry of held keys, the group commit and whether calls read
+// before they reserve. The flow (flow.hpp) of each call works on it; the drivers
+// (coordinator.cpp, asio.cpp) only hand it effects.
 #pragma once
 
 #include <atomic>
@@ -13,6 +14,7 @@
 #include "group_commit.hpp"
 #include "idem/coordinator.hpp"
 #include "inflight.hpp"
+#include "read_first.hpp"
 
 namespace idem::detail {
 
@@ -62,6 +64,7 @@ class CoordinatorCore {
   mutable Counters counters;
   InflightRegistry inflight;
   GroupCommit commits;
+  ReadFirst read_first;  // whether calls read their key's record before reserving it
 };
 
 // How the coroutine front end (asio.cpp) reaches a Coordinator's core.

@@ -50,7 +50,10 @@ Effect Flow::next() {
   switch (phase_) {
     case Phase::start:
       if (!call_.has_key) return on({Found::Kind::no_key}, nullptr, core_.now());
-      return read();
+      // InFlight::run never reserves: it must read. Otherwise reserve at once unless
+      // duplicates are common lately (read_first.hpp); both ways decide the same.
+      if (call_.policy == InFlight::run || core_.read_first.now()) return read();
+      return act(Decision::reserve, nullptr, core_.now());
     case Phase::read:
       return after_read();
     case Phase::reserve:
@@ -140,6 +143,7 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
     case Decision::run_reserved: {
       const Reservation& r = op_.reservation;
       const bool takeover = r.kind == Reservation::Kind::taken_over;
+      if (!std::exchange(looked_, true)) core_.read_first.fresh();
       token_ = r.token;
       bump(takeover ? core_.counters.taken_over : core_.counters.reserved);
       bump(core_.counters.executed);
@@ -171,6 +175,7 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
       return run(Mode::unprotected);
 
     case Decision::replay: {
+      if (!std::exchange(looked_, true)) core_.read_first.found();
       bump(core_.counters.replayed);
       log(LogLevel::debug, "replayed", "", record->token);
       const TimePoint expires_at = record->expires_at;
@@ -178,14 +183,17 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
     }
 
     case Decision::wait:
+      if (!std::exchange(looked_, true)) core_.read_first.found();
       return wait_for(*record, now);
 
     case Decision::key_reuse:
+      if (!std::exchange(looked_, true)) core_.read_first.found();
       bump(core_.counters.key_reuse);
       log(LogLevel::info, "key_reuse", "same key, different fingerprint", record->token);
       throw KeyReuseError(record->fingerprint.hex(), call_.fingerprint.hex());
 
     case Decision::in_progress: {
+      if (!std::exchange(looked_, true)) core_.read_first.found();
       const TimePoint lease_end = record != nullptr ? record->lease_until : holder_lease_;
       bump(core_.counters.in_progress_conflicts);
       log(LogLevel::info, "in_progress",

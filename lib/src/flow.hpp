@@ -122,6 +122,7 @@ class Flow {
   bool holder_local_ = false;  // the holder is in this process: its end wakes us
   std::chrono::milliseconds poll_;
   bool waited_ = false;  // counted once per call
+  bool looked_ = false;  // told core_.read_first what the key held (once per call)
 
   Loaded loaded_;
   std::exception_ptr store_error_;  // the StoreError a store_failed decision was made on

@@ -510,6 +510,7 @@ struct KeyLog {
   // The newest reservation's lease as granted or last renewed; min() once it was completed,
   // released or reaped. Nobody may take the key over before it ends.
   TimePoint lease_until = TimePoint::min();
+  std::int64_t freed_token = 0;  // the token of the last completion or release applied
 };
 
 // A call of a key that has begun and neither ran its action nor answered (a waiter, or one
@@ -632,8 +633,9 @@ struct World {
 
   // The holder of `key` freed it: under InFlight::wait, the calls waiting then must go on
   // within the polling bound (at once in this process, within poll_max from another). Every
-  // one of them once the answer is stored (`stored`: each gets the replay); at least one after
-  // a release (one takes the key over, the others may wait for it in turn).
+  // one of them once the answer is stored (`stored`: each gets the replay); after a release,
+  // at least one, unless a call that came later took the key first (the waiters then wait
+  // for that one, whose end is judged in turn).
   void freed(const std::string& key, bool stored) {
     if (plan.config.policy != InFlight::wait || store_trouble || stalls) return;
     auto& list = pending[key];
@@ -642,10 +644,12 @@ struct World {
     judged(Invariant::waiters_wake);
     const TimePoint freed_at = clock->now();
     const TimePoint deadline = freed_at + Options{}.poll_max + 1ms;
-    clock->call_at(deadline, [this, key, waiting, freed_at, stored] {
+    const std::int64_t freed_token = keys[key].freed_token;
+    clock->call_at(deadline, [this, key, waiting, freed_at, stored, freed_token] {
       const auto went_on = static_cast<std::size_t>(std::count_if(
           waiting.begin(), waiting.end(), [](const auto& p) { return p->progressed; }));
-      if (stored ? went_on < waiting.size() : went_on == 0) {
+      const bool taken_again = keys[key].newest_token > freed_token;
+      if (stored ? went_on < waiting.size() : went_on == 0 && !taken_again) {
         violate(Invariant::waiters_wake,
                 fmt::format("{}: {} at t={}ms, {} of its {} waiting calls went on by t={}ms", key,
                             stored ? "answered" : "released", ms(freed_at), went_on, waiting.size(),
@@ -1126,7 +1130,10 @@ void Recorder::seen(const StoreOp& op) {
                                key, op.kind == StoreOp::Kind::complete ? "completion" : "release",
                                op.token, k.newest_token));
       }
-      if (op.applied) k.lease_until = TimePoint::min();
+      if (op.applied) {
+        k.lease_until = TimePoint::min();
+        k.freed_token = op.token;
+      }
       return;
     case StoreOp::Kind::store_if_absent:
       return;

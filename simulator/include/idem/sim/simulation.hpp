@@ -38,6 +38,7 @@ enum class Invariant {
   waiters_wake,     // under InFlight::wait without crashes, stalls or store faults, no
                     // duplicate gives up (InProgressError), and a freed key wakes its waiters:
                     // all of them once its answer is stored, at least one after a release
+                    // (unless a later call took the key first)
   finished,         // every client got a final answer, or gave up after its retries
 };
 
