@@ -277,6 +277,9 @@ Stats idem_fresh_blocking(const Config& c, Synchronous sync, std::size_t n) {
   return summarize(std::move(lat), micros_since(t0) / 1e6);
 }
 
+// n fresh keys shared by `threads` threads on the blocking API, on a fresh file.
+Stats idem_fresh_threads(const Config& c, Synchronous sync, std::size_t n, std::size_t threads);
+
 // `inflight` coroutines on one io_context share `n` calls; keys from `key_at(i)`.
 Stats idem_async(Coordinator& idem, std::size_t n, std::size_t inflight,
                  const std::function<std::string(std::size_t)>& key_at) {
@@ -324,6 +327,11 @@ Stats idem_threads(Coordinator& idem, std::size_t n, std::size_t threads,
   start.arrive_and_wait();
   for (auto& t : pool) t.join();
   return summarize(std::move(lat), micros_since(t0) / 1e6);
+}
+
+Stats idem_fresh_threads(const Config& c, Synchronous sync, std::size_t n, std::size_t threads) {
+  auto idem = make_idem(fresh_db(c, "idem-threads"), sync);
+  return idem_threads(*idem, n, threads, [](std::size_t i) { return key_of(i); });
 }
 
 void populate(Coordinator& idem, std::size_t keys, const std::string& prefix = "k") {
@@ -798,7 +806,7 @@ int run_all(const Config& c) {
     const Stats minimal = minimal_floor_fresh(c, sync, calls);
     report.line(fmt::format("{}: naive floor, minimal table (2 txns)", mode), minimal);
     const Stats floor = floor_fresh(c, sync, calls);
-    report.line(fmt::format("{}: naive floor (INSERT txn + UPDATE txn)", mode), floor);
+    report.line(fmt::format("{}: same-schema floor (idem's SQL, 2 txns)", mode), floor);
     const Stats uncheckpointed = floor_fresh(c, sync, calls, false);
     report.line(fmt::format("{}: the same, checkpoints never run", mode), uncheckpointed, &floor);
     const Stats blocking = idem_fresh_blocking(c, sync, calls);
@@ -816,11 +824,9 @@ int run_all(const Config& c) {
       report.line(fmt::format("{}: idem, 64 in flight on one io_context", mode), concurrent,
                   &floor);
     }
-    {
-      auto idem = make_idem(fresh_db(c, "idem-threads"), sync);
-      const Stats s = idem_threads(*idem, calls, 8, [](std::size_t i) { return key_of(i); });
-      report.line(fmt::format("{}: idem, 8 threads, blocking", mode), s, &floor);
-    }
+    const Stats threads8 = idem_fresh_threads(c, sync, calls, 8);
+    report.line(fmt::format("{}: idem, 8 threads, blocking", mode), threads8, &floor);
+    report.line(fmt::format("{}: the same against one blocking caller", mode), threads8, &blocking);
     report.heading(fmt::format("synchronous={}: replay of completed keys", mode));
     const std::size_t keys = 2000;
     const Stats floor_r = floor_replay(c, sync, keys, calls);
@@ -841,27 +847,33 @@ int run_all(const Config& c) {
       // runs taken a minute apart measures the drift as much as idem.
       constexpr int kPairs = 5;
       std::vector<double> fresh{blocking.per_s / floor.per_s},
-          minimal_pairs{blocking.per_s / minimal.per_s}, replay{replay1.per_s / floor_r.per_s};
+          minimal_pairs{blocking.per_s / minimal.per_s}, replay{replay1.per_s / floor_r.per_s},
+          threads{threads8.per_s / blocking.per_s};
       for (int pair = 1; pair < kPairs; ++pair) {
         const double m = minimal_floor_fresh(c, sync, calls).per_s;
         const double f = floor_fresh(c, sync, calls).per_s;
         const double i = idem_fresh_blocking(c, sync, calls).per_s;
         fresh.push_back(i / f);
         minimal_pairs.push_back(i / m);
+        threads.push_back(idem_fresh_threads(c, sync, calls, 8).per_s / i);
         const double r = floor_replay(c, sync, keys, calls).per_s;
         replay.push_back(idem_replay(c, sync, keys, calls).per_s / r);
       }
       o["raw"]["fresh_key_ratio_pairs"] = fresh;
       o["raw"]["minimal_fresh_key_ratio_pairs"] = minimal_pairs;
       o["minimal_fresh_key_ratio"] = median(minimal_pairs);
+      o["raw"]["threads_ratio_pairs"] = threads;
+      o["threads_ratio"] = median(threads);
+      o["threads_fresh_calls_per_s"] = threads8.per_s;
+      o["threads_p99_us"] = threads8.p99_us;
       o["raw"]["replay_ratio_pairs"] = replay;
       o["fresh_key_ratio"] = median(fresh);
       o["replay_ratio"] = median(replay);
       report.note(fmt::format(
           "ratios, median of {} back-to-back runs: fresh key {:.2f} (against the minimal table "
-          "{:.2f}), replay {:.2f}",
+          "{:.2f}), 8 threads against one caller {:.2f}, replay {:.2f}",
           kPairs, o["fresh_key_ratio"].get<double>(), o["minimal_fresh_key_ratio"].get<double>(),
-          o["replay_ratio"].get<double>()));
+          o["threads_ratio"].get<double>(), o["replay_ratio"].get<double>()));
       o["concurrent_fresh_calls_per_s"] = concurrent.per_s;
     } else {
       o["concurrent_fresh_calls_per_s_full"] = concurrent.per_s;
