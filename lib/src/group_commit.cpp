@@ -10,7 +10,7 @@ namespace {
 
 // How many times a blocking leader yields its CPU, at most, waiting for its batch to grow;
 // a gather that takes longer than kGatherBudget backs off (up to kMaxGatherBackoff rounds).
-constexpr int kGatherYields = 4;
+constexpr int kGatherYields = 8;
 constexpr std::chrono::microseconds kGatherBudget{200};
 constexpr int kMaxGatherBackoff = 1024;
 
@@ -79,15 +79,13 @@ void GroupCommit::lead_blocking(std::unique_lock<std::mutex>& lock) {
 }
 
 void GroupCommit::gather(std::unique_lock<std::mutex>& lock) {
-  // Let the threads that are runnable (the writers the last round woke, on their way back)
-  // reach the queue. A yield with nobody else to run returns at once and ends the wait.
+  // Let the threads that are runnable reach the queue: the writers the last round woke are on
+  // their way back with their next writes. A yield with nobody else to run returns at once.
   const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < kGatherYields; ++i) {
-    const std::size_t queued = queue_.size();
+  for (int i = 0; i < kGatherYields && queue_.size() < last_batch_; ++i) {
     lock.unlock();
     std::this_thread::yield();
     lock.lock();
-    if (queue_.size() == queued) break;
   }
   // A yield that took long gave the CPU to a thread with work of its own, not to a writer:
   // here gathering costs more than it saves. Skip it for the next rounds, twice as many each

@@ -10,10 +10,10 @@
 // A blocking writer never depends on an event loop: if no round is running it leads at once
 // (even when a coroutine's round is posted but has not started), and a hand-off goes to a
 // queued blocking writer first. A blocking leader whose last round carried other writers'
-// ops first yields its CPU a few times, while that lets the queue grow (the threads it just
-// woke are on their way back with their next writes): threads then batch as coroutines do,
-// and a lone caller never waits. Where a yield hands the CPU to a thread busy with other work
-// (a slow yield), gathering backs off.
+// ops first yields its CPU a few times, until the queue is as long as that round was (the
+// threads it woke are on their way back with their next writes): threads then batch as
+// coroutines do, and a lone caller never waits. Where a yield hands the CPU to a thread busy with
+// other work (a slow yield), gathering backs off.
 //
 // A coroutine writer posts its round to its executor, so every coroutine that becomes ready
 // in the same turn joins the batch; its ops may also be committed by any other leader. The
@@ -79,7 +79,7 @@ class GroupCommit {
 
   // Runs the round of a blocking leader whose own op is queued.
   void lead_blocking(std::unique_lock<std::mutex>& lock);
-  // Yields the CPU while that lets the queue grow; backs off when a yield is slow.
+  // Yields the CPU until the last round's writers are back; backs off when a yield is slow.
   void gather(std::unique_lock<std::mutex>& lock);
   // Runs one round; requires committing_ set by the caller. Returns with the lock released.
   void round(std::unique_lock<std::mutex>& lock) noexcept;

@@ -23,10 +23,11 @@ using AsyncAction = std::function<boost::asio::awaitable<Response>()>;
 // duplicate under InFlight::wait suspends (it does not block the thread) until the
 // holder in this process completes or releases the key, its lease ends, or max_wait
 // passes; a holder in another process is polled with growing backoff.
-// Reads (a replay, a conflict) use the store directly from the calling coroutine. Writes
-// (reservations, completions) of all the coroutines that become ready in one turn of the
-// io_context are committed together in one transaction (group commit) by a handler posted
-// to the first writer's executor; each coroutine resumes after its write is committed.
+// Reads (a replay or a conflict while duplicates are common, a waiter's look) use the store
+// directly from the calling coroutine. Writes (reservations, completions) of all the
+// coroutines that become ready in one turn of the io_context are committed together in one
+// transaction (group commit) by a handler posted to the first writer's executor; each
+// coroutine resumes after its write is committed.
 boost::asio::awaitable<Outcome> async_call(Coordinator& coordinator, Request request,
                                            AsyncAction action);
 
