@@ -290,6 +290,42 @@ TEST_CASE(
   CHECK(charges == 42);
 }
 
+namespace {
+
+// Every write comes back marked as having waited for another writer's lock.
+struct ContendedStore final : idem::StoreWrapper {
+  using StoreWrapper::StoreWrapper;
+  std::atomic<int> loads{0};
+  void apply(std::span<idem::StoreOp* const> batch) override {
+    StoreWrapper::apply(batch);
+    for (idem::StoreOp* op : batch) op->contended = true;
+  }
+  std::optional<idem::Record> load(const idem::KeyId& id) override {
+    ++loads;
+    return StoreWrapper::load(id);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("read first: while writes wait for another writer's lock, fresh keys are read first") {
+  // Back-to-back write transactions leave another process no gap to take the lock in.
+  auto store = std::make_shared<ContendedStore>(std::make_shared<idem::SqliteStore>(":memory:"));
+  idem::Coordinator idem(store, idem::Options{});
+  int charges = 0;
+  const auto charge = [&charges] {
+    ++charges;
+    return idem::Response{200, R"({"charge_id":"ch"})", {}};
+  };
+  for (int i = 0; i < 10; ++i) idem.call(idem::test::request(fmt::format("k{}", i)), charge);
+  CHECK(charges == 10);
+  CHECK(store->loads > 0);
+  const int loads = store->loads;
+  idem.call(idem::test::request("fresh"), charge);
+  CHECK(store->loads == loads + 1);
+  CHECK(charges == 11);
+}
+
 TEST_CASE("bench: the floor runs idem's own statements") {
   CHECK(idem::bench::sql::kReserve == idem::sql::kReserve);
   CHECK(idem::bench::sql::kComplete == idem::sql::kComplete);

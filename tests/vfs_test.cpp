@@ -698,3 +698,43 @@ TEST_CASE(
   Direct direct(w.path);
   CHECK(direct.integrity() == "ok");
 }
+
+TEST_CASE("faulty vfs: a write that waited for another writer's lock says so, others do not") {
+  // SQLITE_BUSY from a WAL-index lock is what another process's write transaction gives.
+  // The coordinator reads before reserving while its writes wait (read_first.hpp).
+  FaultyVfs vfs;
+  vfs.set_real_sync(false);
+  ScopedDefaultVfs as_default(vfs);
+  TempDir dir;
+  idem::SqliteStore store(dir.file("c.db"), quiet());
+  const idem::Fingerprint fp = idem::test::request("k").fingerprint;
+  const auto reserve = [&](const idem::KeyId& id) {
+    idem::StoreOp op{.kind = idem::StoreOp::Kind::reserve,
+                     .id = &id,
+                     .fingerprint = &fp,
+                     .now = idem::sim::kSimulationStart,
+                     .lease_until = idem::sim::kSimulationStart + 30s};
+    idem::StoreOp* one = &op;
+    store.apply(std::span<idem::StoreOp* const>(&one, 1));
+    return op;
+  };
+  const idem::KeyId plain{"alpha", "op", "plain"};
+  const idem::StoreOp first = reserve(plain);
+  CHECK_FALSE(first.error);
+  CHECK_FALSE(first.contended);
+  // Each WAL-index lock of the next write in turn answers SQLITE_BUSY once: the writer's
+  // busy handler waits and retries, and the write goes through marked contended.
+  int contended = 0;
+  for (std::uint64_t n = 1; n <= 8; ++n) {
+    const idem::KeyId id{"alpha", "op", fmt::format("busy-{}", n)};
+    vfs.fail_nth(idem::sim::IoCall::shm_lock, idem::sim::FileRole::shm, n, SQLITE_BUSY);
+    const idem::StoreOp op = reserve(id);
+    vfs.clear_faults();
+    CAPTURE(n);
+    CHECK_FALSE(op.error);  // a busy lock is waited for, never an error
+    CHECK(op.reservation.kind == idem::Reservation::Kind::reserved);
+    if (op.contended) ++contended;
+  }
+  CHECK(contended > 0);
+  CHECK_FALSE(reserve({"alpha", "op", "after"}).contended);  // no fault: no wait
+}

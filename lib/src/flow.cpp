@@ -111,6 +111,7 @@ Effect Flow::after_read() {
 
 Effect Flow::after_reserve() {
   const TimePoint t = core_.now();
+  if (op_.contended) core_.read_first.contended();
   Reservation& r = op_.reservation;
   Found found{Found::Kind::owned};
   Record* existing = nullptr;
@@ -289,6 +290,7 @@ Effect Flow::after_ran() {
 
 Effect Flow::after_complete() {
   done_holding();
+  if (op_.contended) core_.read_first.contended();
   if (op_.error) return unstored(describe(op_.error));
   if (!op_.applied) {
     bump(core_.counters.lease_lost);

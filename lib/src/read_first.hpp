@@ -6,7 +6,8 @@
 // by the reservation instead costs a write transaction: the write lock, shared with every
 // process on the file, for an answer a read would have given. So calls reserve at once while
 // duplicates are rare, and read first while more than about one recent call in eight of this
-// coordinator found a live record (a retry storm, a replay-heavy client).
+// coordinator found a live record (a retry storm, a replay-heavy client) or had to wait for
+// another process's write lock (see contended()).
 //
 // The rate is a moving average over roughly the last sixteen calls that reached a record or a
 // reservation. Thread-safety: safe for concurrent use; concurrent updates may each miss the
@@ -26,6 +27,10 @@ class ReadFirst {
   void found() noexcept { update(kOne); }
   // A call reserved a key that no live record held.
   void fresh() noexcept { update(0); }
+  // A write had to wait for another writer's lock (another process on the file). Counts as
+  // a found record: back-to-back write transactions leave the other process no gap to take
+  // the lock in, and a read between them does.
+  void contended() noexcept { update(kOne); }
 
  private:
   static constexpr std::uint32_t kOne = 1u << 16;  // the rate in fixed point: kOne is 100 %

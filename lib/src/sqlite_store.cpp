@@ -388,6 +388,7 @@ struct SqliteStore::Impl {
   // transaction of its own, so its neighbours still succeed. Requires `mutex`.
   void apply_locked(std::span<StoreOp* const> ops) {
     std::optional<sqlite::Transaction> batch;
+    const std::uint64_t waits = busy.waits;
     try {
       batch.emplace(tx);
     } catch (const StoreError&) {
@@ -398,6 +399,9 @@ struct SqliteStore::Impl {
     try {
       for (StoreOp* op : ops) run_op(*op);
       batch->commit();
+      if (busy.waits != waits) {
+        for (StoreOp* op : ops) op->contended = true;
+      }
       transactions.fetch_add(1, std::memory_order_relaxed);
       committed_ops.fetch_add(ops.size(), std::memory_order_relaxed);
       return;
@@ -408,9 +412,11 @@ struct SqliteStore::Impl {
       op->reservation = {};
       op->applied = false;
       try {
+        const std::uint64_t before = busy.waits;
         sqlite::Transaction single(tx);
         run_op(*op);
         single.commit();
+        op->contended = busy.waits != before;
         transactions.fetch_add(1, std::memory_order_relaxed);
         committed_ops.fetch_add(1, std::memory_order_relaxed);
       } catch (...) {

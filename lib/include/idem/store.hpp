@@ -176,10 +176,13 @@ struct StoreOp {
   // not current). store_if_absent: `reservation`, Kind::existing with the live record that
   // won, or Kind::reserved when this op stored its response. `error` holds the StoreError
   // if this op failed; then the other results mean nothing and nothing of this op was
-  // written.
+  // written. `contended`: the write had to wait for a lock another writer held (another
+  // process on the same file); a store that cannot tell leaves it false. The coordinator then
+  // reads before reserving for a while, which leaves the lock free between its writes.
   Reservation reservation{};
   bool applied = false;
   std::exception_ptr error{};
+  bool contended = false;
 };
 
 // Thread-safety: implementations must be safe for concurrent use from many threads, and

@@ -26,7 +26,10 @@ constexpr std::chrono::milliseconds kImpatient{10};
 int on_busy(void* arg, int count) {
   auto* policy = static_cast<BusyPolicy*>(arg);
   const auto now = std::chrono::steady_clock::now();
-  if (count == 0) policy->started = now;
+  if (count == 0) {
+    policy->started = now;
+    ++policy->waits;
+  }
   const auto waited = now - policy->started;
   if (waited >= policy->timeout) return 0;
   const auto step = waited >= kImpatient

@@ -33,6 +33,7 @@ namespace idem::sqlite {
 struct BusyPolicy {
   std::chrono::milliseconds timeout;
   std::chrono::steady_clock::time_point started;  // of the current wait
+  std::uint64_t waits = 0;                        // waits begun (a lock was busy)
 };
 
 struct ConnectionCloser {
