@@ -7,8 +7,10 @@
 #include <boost/asio/async_result.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/execution/outstanding_work.hpp>
 #include <boost/asio/execution_context.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/prefer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <map>
@@ -60,17 +62,17 @@ class AsyncWaiter {
     explicit Handle(const net::any_io_executor& ex);
 
     void wake() override {
-      std::function<void()> resume;
-      {
-        std::lock_guard lock(mutex);
-        if (!parked) {
-          woken = true;
-          return;
-        }
-        resume = std::exchange(parked, nullptr);
-        unregister();
+      std::lock_guard lock(mutex);
+      if (!parked) {
+        woken = true;
+        return;
       }
-      resume();  // posts the continuation to its executor
+      // Posted under the mutex, and unregistered only once posted: the continuation may
+      // finish its coroutine and let run() return before post() is done with the context,
+      // and an io_context destroyed meanwhile waits in ParkedWaits::shutdown (abandon() takes
+      // this mutex) until it is.
+      std::exchange(parked, nullptr)();  // posts the continuation to its executor
+      unregister();
     }
 
     template <typename Handler>
@@ -161,6 +163,10 @@ net::awaitable<void> group_write(detail::GroupCommit& commits, StoreOp& op) {
         auto ex = net::get_associated_executor(handler);
         auto resume = std::make_shared<decltype(handler)>(std::move(handler));
         auto notify = [&commits, ex, resume](Signal s) {
+          // Called from whichever thread ran the round. Work is held across the post: what it
+          // posts may end the last coroutine and let run() return (and the io_context be
+          // destroyed) before post() is done with the context.
+          const auto work = net::prefer(ex, net::execution::outstanding_work.tracked);
           if (s == Signal::committed) {
             net::post(std::move(*resume));
           } else {
