@@ -277,9 +277,6 @@ Stats idem_fresh_blocking(const Config& c, Synchronous sync, std::size_t n) {
   return summarize(std::move(lat), micros_since(t0) / 1e6);
 }
 
-// n fresh keys shared by `threads` threads on the blocking API, on a fresh file.
-Stats idem_fresh_threads(const Config& c, Synchronous sync, std::size_t n, std::size_t threads);
-
 // `inflight` coroutines on one io_context share `n` calls; keys from `key_at(i)`.
 Stats idem_async(Coordinator& idem, std::size_t n, std::size_t inflight,
                  const std::function<std::string(std::size_t)>& key_at) {
@@ -329,6 +326,7 @@ Stats idem_threads(Coordinator& idem, std::size_t n, std::size_t threads,
   return summarize(std::move(lat), micros_since(t0) / 1e6);
 }
 
+// n fresh keys shared by `threads` threads on the blocking API, on a fresh file.
 Stats idem_fresh_threads(const Config& c, Synchronous sync, std::size_t n, std::size_t threads) {
   auto idem = make_idem(fresh_db(c, "idem-threads"), sync);
   return idem_threads(*idem, n, threads, [](std::size_t i) { return key_of(i); });
