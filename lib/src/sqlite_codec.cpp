@@ -3,27 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <limits>
-#include <nlohmann/json.hpp>
 
 #include "idem/errors.hpp"
 
 namespace idem::detail {
 namespace {
-
-std::vector<Header> headers_from_json(const std::string& text) {
-  std::vector<Header> out;
-  if (text.empty()) return out;
-  try {
-    for (const auto& pair : nlohmann::json::parse(text)) {
-      out.push_back({pair.at(0).get<std::string>(), pair.at(1).get<std::string>()});
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw StoreError(std::string("sqlite: a stored headers column does not decode: ") + e.what(),
-                     0);
-  }
-  return out;
-}
 
 // A column that must hold an integer (the table is STRICT, so only a corrupt or foreign
 // file holds anything else).
@@ -36,46 +20,6 @@ std::int64_t integer(const sqlite::Statement& s, int column, std::string_view na
 
 }  // namespace
 
-std::string progress_to_json(const Progress& p) {
-  nlohmann::json steps = nlohmann::json::array();
-  for (const StepResult& s : p.steps) steps.push_back({s.step, s.result, s.reconciled});
-  nlohmann::json j = {{"origin", p.origin}, {"steps", std::move(steps)}, {"pending", nullptr}};
-  if (p.pending) j["pending"] = *p.pending;
-  try {
-    return j.dump();
-  } catch (const nlohmann::json::exception&) {
-    throw error(errc::invalid_argument,
-                "idem: a step's name or result is not valid UTF-8 text; keep results small text "
-                "(an id), and larger or binary data in the application's own tables");
-  }
-}
-
-Progress progress_from_json(std::string_view text) {
-  Progress p;
-  try {
-    const nlohmann::json j = nlohmann::json::parse(text);
-    // An integer that fits: nlohmann converts a float (1e300) with a cast that is undefined
-    // behaviour when out of range.
-    const nlohmann::json& origin = j.at("origin");
-    if (!origin.is_number_integer() ||
-        (origin.is_number_unsigned() &&
-         origin.get<std::uint64_t>() > std::uint64_t{std::numeric_limits<std::int64_t>::max()})) {
-      throw StoreError("sqlite: a stored progress column's origin is not a 64-bit integer", 0);
-    }
-    p.origin = origin.get<std::int64_t>();
-    for (const auto& s : j.at("steps")) {
-      p.steps.push_back(
-          {s.at(0).get<std::string>(), s.at(1).get<std::string>(), s.at(2).get<bool>()});
-    }
-    if (const auto& pending = j.at("pending"); !pending.is_null())
-      p.pending = pending.get<std::string>();
-  } catch (const nlohmann::json::exception& e) {
-    throw StoreError(std::string("sqlite: a stored progress column does not decode: ") + e.what(),
-                     0);
-  }
-  return p;
-}
-
 void bind_id(sqlite::Statement& s, const KeyId& id) {
   s.bind(1, id.tenant);
   s.bind(2, id.operation);
@@ -84,17 +28,6 @@ void bind_id(sqlite::Statement& s, const KeyId& id) {
 
 void bind_fingerprint(sqlite::Statement& s, int index, const Fingerprint& fp) {
   s.bind_blob(index, fp.bytes().data(), fp.bytes().size());
-}
-
-std::string headers_to_json(const std::vector<Header>& headers) {
-  if (headers.empty()) return {};
-  nlohmann::json arr = nlohmann::json::array();
-  for (const Header& h : headers) arr.push_back({h.name, h.value});
-  try {
-    return arr.dump();
-  } catch (const nlohmann::json::exception&) {
-    throw StoreError("sqlite: a response header is not valid UTF-8 and cannot be stored", 0);
-  }
 }
 
 void bind_response(sqlite::Statement& s, int first, const StoredResponse& r,

@@ -1,0 +1,132 @@
+// idem — the PostgreSQL store (target idem::pg; links libpq).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "idem/clock.hpp"
+#include "idem/store.hpp"
+
+namespace idem {
+
+// Whose clock the times in the database are on.
+//  - database: the server's (clock_timestamp()). Every node's times are moved onto it by an
+//    offset between PgOptions::local_clock and the server's clock, measured on connect and
+//    every PgOptions::clock_refresh (the midpoint of a round trip), and moved back when
+//    read. So nodes whose clocks disagree still agree on when a lease or a TTL ends, to
+//    within half a round trip plus their drift since the last measurement.
+//  - caller: the times the Coordinator passes, unchanged, as SqliteStore keeps them. For a
+//    single node, or tests that want the stored times to be their simulated ones.
+enum class PgClock { database, caller };
+
+struct PgOptions {
+  // The schema idem's tables live in; created if missing. Each schema is an independent
+  // store (tests use one per case). Default: "idem".
+  std::string schema = "idem";
+  // Default: PgClock::database.
+  PgClock clock = PgClock::database;
+  // The clock the Coordinator's times come from (its Options::clock): the offset is measured
+  // against it. Default (null): a SystemClock, the Coordinator's default.
+  std::shared_ptr<Clock> local_clock{};
+  std::chrono::milliseconds clock_refresh{30'000};
+  // How long one statement may run before the server cancels it (statement_timeout); a lock
+  // held by another node counts. Default: 5 s, as SqliteOptions::busy_timeout.
+  std::chrono::milliseconds statement_timeout{5000};
+  // After a lost connection, reconnection is tried on the next use, at most once per backoff:
+  // from reconnect_min, doubling up to reconnect_max, reset by a success. Meanwhile every
+  // operation fails at once with StoreError (retryable).
+  std::chrono::milliseconds reconnect_min{50};
+  std::chrono::milliseconds reconnect_max{2000};
+};
+
+// A Store on a PostgreSQL database (libpq), shared by threads of this process (one
+// connection behind a first-come-first-served lock) and by any number of processes and
+// nodes on the same database and schema. The schema is versioned in its idem_meta table and
+// migrated on open under an advisory lock, so nodes that start together migrate once.
+//
+// Every write is one statement (reservation and store_if_absent are server-side functions),
+// and apply() sends all the ops it is given in one pipeline, one transaction and one round
+// trip (each op keeps its own outcome); the Coordinator's group commit hands it the writes
+// of every call that is ready at once. Rows are locked in key order within a batch, so
+// batches of several nodes never deadlock.
+//
+// Errors: every operation throws StoreError when the database cannot be used (connection
+// lost or refused, statement timeout, a serialization failure); sqlite_code() is 0 and
+// what() starts with "postgresql:" and carries the server's SQLSTATE. StoreError is
+// retryable; an operation that throws changed nothing, except that a write whose COMMIT was
+// sent when the connection broke may have committed (as for any database client): its
+// reservation then expires with its lease, a completion is replayed.
+//
+// Thread-safety: safe for concurrent use.
+class PgStore final : public Store {
+ public:
+  // Connects with `conninfo` (libpq's "host=... dbname=..." or a postgresql:// URI),
+  // migrates the schema and measures the clock offset. Throws StoreError if the server cannot
+  // be reached or the schema is newer than this library knows; then no PgStore exists.
+  // Throws idem::error(errc::invalid_argument) for an empty schema name.
+  explicit PgStore(const std::string& conninfo, PgOptions options = {});
+  ~PgStore() override;
+  PgStore(const PgStore&) = delete;
+  PgStore& operator=(const PgStore&) = delete;
+
+  // The schema version this library writes.
+  static int schema_version() noexcept;
+
+  Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                      TimePoint lease_until) override;
+  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                TimePoint expires_at) override;
+  bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
+  bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
+  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
+  std::optional<Record> load(const KeyId& id) override;
+  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                        const StoredResponse& response, TimePoint now,
+                                        TimePoint expires_at) override;
+  std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
+                                      const std::string& request) override;
+  bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                    const std::string& step) override;
+  // Local steps run their statements (PostgreSQL's dialect, parameters $1..$N) on this
+  // store's connection inside its transaction; they must not begin, commit or roll back
+  // transactions of their own. Integers and doubles are sent as text and strings as raw
+  // bytes, so a string parameter fits a text or a bytea column; results come back as
+  // integers (int2/4/8), doubles (float4/8), bytes (bytea) or text (anything else).
+  bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                   const StepCommit& step) override;
+  std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now, std::size_t limit,
+                                            std::span<const std::string> operations) override;
+  std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
+                                          std::size_t limit) override;
+  bool outbox_delivered(const std::string& id, TimePoint now) override;
+  void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                     const std::string& why) override;
+  OutboxCounts outbox_counts() override;
+  std::size_t purge_outbox(TimePoint delivered_before, std::size_t limit) override;
+  std::size_t purge_expired(TimePoint now, std::size_t limit) override;
+  std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
+  void apply(std::span<StoreOp* const> ops) override;
+
+  // How many write transactions committed, how many ops they carried, how many round trips
+  // the store made and how often it connected (for benchmarks and tests).
+  struct Stats {
+    std::uint64_t transactions = 0;
+    std::uint64_t ops = 0;
+    std::uint64_t round_trips = 0;
+    std::uint64_t connects = 0;
+  };
+  Stats stats() const;
+  // The offset added to the caller's times to put them on the database's clock (0 with
+  // PgClock::caller): the server's clock minus local_clock's.
+  std::chrono::milliseconds clock_offset() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace idem

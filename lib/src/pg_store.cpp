@@ -1,0 +1,1128 @@
+#include "idem/pg_store.hpp"
+
+#include <fmt/format.h>
+#include <libpq-fe.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "fair_mutex.hpp"
+#include "idem/errors.hpp"
+#include "idem/key.hpp"
+#include "pg_sql.hpp"
+#include "record_codec.hpp"
+
+namespace idem {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+// PostgreSQL's type OIDs (pg_type.dat) of the columns decoded here.
+constexpr Oid kBoolOid = 16, kByteaOid = 17, kInt8Oid = 20, kInt2Oid = 21, kInt4Oid = 23,
+              kFloat4Oid = 700, kFloat8Oid = 701;
+
+// A batch goes in one pipeline and one transaction up to this many ops; a longer one is split
+// (each part its own transaction), so neither side's socket buffer fills while the other waits.
+constexpr std::size_t kMaxPipelineOps = 128;
+
+struct ResultDeleter {
+  void operator()(PGresult* r) const noexcept { PQclear(r); }
+};
+using Result = std::unique_ptr<PGresult, ResultDeleter>;
+
+StoreError pg_error(std::string_view what, const PGresult* r, PGconn* c) {
+  const char* state = r != nullptr ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : nullptr;
+  std::string message = r != nullptr ? PQresultErrorMessage(r) : "";
+  if (message.empty() && c != nullptr) message = PQerrorMessage(c);
+  while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) message.pop_back();
+  return StoreError(
+      fmt::format("postgresql: {}: {}{}", what, state ? fmt::format("[{}] ", state) : "", message),
+      0);
+}
+
+// A statement's parameters: integers as text, strings as raw bytes (binary format, so a text
+// or bytea column takes them unescaped), NULL.
+class Params {
+ public:
+  Params& integer(std::int64_t v) {
+    add(std::to_string(v), 0);
+    return *this;
+  }
+  Params& text(std::string_view v) {
+    add(std::string(v), 1);
+    return *this;
+  }
+  Params& bytes(std::string_view v) { return text(v); }
+  Params& real(double v) {
+    add(fmt::format("{}", v), 0);
+    return *this;
+  }
+  Params& null() {
+    values_.emplace_back();
+    formats_.push_back(0);
+    return *this;
+  }
+  Params& id(const KeyId& k) { return text(k.tenant).text(k.operation).text(k.key); }
+
+  // The arrays libpq takes, valid while this object is neither changed nor destroyed. (Either
+  // may be called first: a call's arguments are evaluated in any order.)
+  int count() const { return static_cast<int>(values_.size()); }
+  const char* const* values() {
+    build();
+    return pointers_.data();
+  }
+  const int* lengths() {
+    build();
+    return lengths_.data();
+  }
+  const int* formats() const { return formats_.data(); }
+
+ private:
+  void build() {
+    if (pointers_.size() == values_.size()) return;
+    pointers_.clear();
+    lengths_.clear();
+    for (const auto& v : values_) {
+      pointers_.push_back(v ? v->data() : nullptr);
+      lengths_.push_back(v ? static_cast<int>(v->size()) : 0);
+    }
+  }
+  void add(std::string v, int format) {
+    values_.emplace_back(std::move(v));
+    formats_.push_back(format);
+  }
+  std::vector<std::optional<std::string>> values_;
+  std::vector<int> formats_;
+  std::vector<const char*> pointers_;
+  std::vector<int> lengths_;
+};
+
+// Reading binary-format results.
+bool is_null(const PGresult* r, int row, int col) { return PQgetisnull(r, row, col) != 0; }
+
+std::string_view bytes_at(const PGresult* r, int row, int col) {
+  return {PQgetvalue(r, row, col), static_cast<std::size_t>(PQgetlength(r, row, col))};
+}
+
+// A signed big-endian integer of v.size() bytes (2, 4 or 8).
+template <class T>
+std::int64_t big_endian(std::string_view v) {
+  std::make_unsigned_t<T> u = 0;
+  for (const char c : v)
+    u = static_cast<std::make_unsigned_t<T>>((u << 8) | static_cast<unsigned char>(c));
+  return static_cast<T>(u);
+}
+
+std::int64_t int_at(const PGresult* r, int row, int col) {
+  const std::string_view v = bytes_at(r, row, col);
+  switch (PQftype(r, col)) {
+    case kInt8Oid:
+      if (v.size() == 8) return big_endian<std::int64_t>(v);
+      break;
+    case kInt4Oid:
+      if (v.size() == 4) return big_endian<std::int32_t>(v);
+      break;
+    case kInt2Oid:
+      if (v.size() == 2) return big_endian<std::int16_t>(v);
+      break;
+    case kBoolOid:
+      if (v.size() == 1) return v[0] != 0;
+      break;
+    default:
+      break;
+  }
+  throw StoreError(fmt::format("postgresql: column {} is not an integer", PQfname(r, col)), 0);
+}
+
+// The converse of a time the store wrote: see Impl::to_db.
+struct Shift {
+  std::int64_t offset = 0;
+  TimePoint from_db(std::int64_t v) const { return detail::at_ms(v - offset); }
+  std::int64_t to_db(TimePoint t) const { return detail::ms(t) + offset; }
+};
+
+// The record in columns first..first+10 (pg_sql::kLoad's order).
+Record read_record(const PGresult* r, int row, int first, const Shift& shift) {
+  Record out;
+  const std::string_view fp = bytes_at(r, row, first);
+  Fingerprint::Bytes raw{};
+  if (fp.size() != raw.size())
+    throw StoreError("postgresql: a stored fingerprint is not 32 bytes", 0);
+  std::copy_n(fp.begin(), raw.size(), raw.begin());
+  out.fingerprint = Fingerprint(raw);
+  const std::int64_t state = int_at(r, row, first + 1);
+  if (state < 1 || state > 3) {
+    throw StoreError(fmt::format("postgresql: a stored state is {}, not 1, 2 or 3", state), 0);
+  }
+  out.state = static_cast<State>(state);
+  out.token = int_at(r, row, first + 2);
+  out.lease_until = shift.from_db(int_at(r, row, first + 3));
+  out.created_at = shift.from_db(int_at(r, row, first + 4));
+  out.expires_at = shift.from_db(int_at(r, row, first + 5));
+  if (!is_null(r, row, first + 6))
+    out.response.status = static_cast<int>(int_at(r, row, first + 6));
+  if (!is_null(r, row, first + 7))
+    out.response.headers = detail::headers_from_json(bytes_at(r, row, first + 7));
+  out.response.body = std::string(bytes_at(r, row, first + 8));
+  if (!is_null(r, row, first + 9)) out.body_ref = std::string(bytes_at(r, row, first + 9));
+  if (!is_null(r, row, first + 10)) out.recovery_point = std::string(bytes_at(r, row, first + 10));
+  return out;
+}
+
+// The statements, prepared on every connection under these names.
+enum Stmt : int {
+  kReserve,
+  kStoreIfAbsent,
+  kLoad,
+  kComplete,
+  kRelease,
+  kRenew,
+  kSetRecoveryPoint,
+  kPurge,
+  kReap,
+  kLoadProgress,
+  kBeginSteps,
+  kSetProgress,
+  kAbandoned,
+  kOutboxInsert,
+  kOutboxClaim,
+  kOutboxDelivered,
+  kOutboxFailed,
+  kOutboxCounts,
+  kOutboxPurge,
+  kNow,
+  kStatementCount
+};
+
+constexpr std::array<std::string_view, kStatementCount> kTexts = {pg_sql::kReserve,
+                                                                  pg_sql::kStoreIfAbsent,
+                                                                  pg_sql::kLoad,
+                                                                  pg_sql::kComplete,
+                                                                  pg_sql::kRelease,
+                                                                  pg_sql::kRenew,
+                                                                  pg_sql::kSetRecoveryPoint,
+                                                                  pg_sql::kPurge,
+                                                                  pg_sql::kReap,
+                                                                  pg_sql::kLoadProgress,
+                                                                  pg_sql::kBeginSteps,
+                                                                  pg_sql::kSetProgress,
+                                                                  pg_sql::kAbandoned,
+                                                                  pg_sql::kOutboxInsert,
+                                                                  pg_sql::kOutboxClaim,
+                                                                  pg_sql::kOutboxDelivered,
+                                                                  pg_sql::kOutboxFailed,
+                                                                  pg_sql::kOutboxCounts,
+                                                                  pg_sql::kOutboxPurge,
+                                                                  pg_sql::kNow};
+
+std::string statement_name(Stmt s) { return fmt::format("idem_{}", static_cast<int>(s)); }
+
+std::string with_schema(std::string_view text, const std::string& schema) {
+  std::string out;
+  out.reserve(text.size() + 64);
+  for (std::size_t i = 0; i < text.size();) {
+    if (text.compare(i, 3, "{s}") == 0) {
+      out += schema;
+      i += 3;
+    } else {
+      out += text[i++];
+    }
+  }
+  return out;
+}
+
+void ignore_notice(void*, const char*) {}
+
+// The row of kLoadProgress or kBeginSteps: state, token, progress, request.
+struct ProgressRow {
+  State state;
+  std::int64_t token;
+  std::optional<Progress> progress;
+};
+
+ProgressRow read_progress(const PGresult* r) {
+  ProgressRow row{static_cast<State>(int_at(r, 0, 0)), int_at(r, 0, 1), std::nullopt};
+  if (!is_null(r, 0, 2)) {
+    row.progress = detail::progress_from_json(bytes_at(r, 0, 2));
+    if (!is_null(r, 0, 3)) row.progress->request = std::string(bytes_at(r, 0, 3));
+  }
+  return row;
+}
+
+}  // namespace
+
+struct PgStore::Impl {
+  std::string conninfo;
+  PgOptions options;
+  std::string schema;  // quoted
+  std::vector<std::string> texts;
+  detail::FairMutex mutex;  // serialises every use of `conn`, first come first served
+  PGconn* conn = nullptr;   // guarded by `mutex`; null while disconnected
+  // Reconnection, guarded by `mutex`.
+  std::chrono::milliseconds backoff;
+  SteadyClock::time_point next_attempt{};
+  std::string last_failure;
+  SteadyClock::time_point measured{};
+  std::atomic<std::int64_t> offset{0};
+  std::atomic<std::uint64_t> transactions{0}, committed_ops{0}, round_trips{0}, connects{0};
+
+  Impl(std::string info, PgOptions o) : conninfo(std::move(info)), options(std::move(o)) {
+    if (options.schema.empty()) {
+      throw error(errc::invalid_argument, "idem: PgOptions::schema must not be empty");
+    }
+    if (!options.local_clock) options.local_clock = std::make_shared<SystemClock>();
+    backoff = options.reconnect_min;
+    connect();
+    try {
+      migrate();
+    } catch (...) {
+      if (conn != nullptr) PQfinish(conn);  // no destructor runs for a half-built Impl
+      throw;
+    }
+  }
+
+  ~Impl() {
+    if (conn != nullptr) PQfinish(conn);
+  }
+
+  Shift shift() const { return Shift{offset.load(std::memory_order_relaxed)}; }
+
+  // ---- the connection ----
+
+  void drop(std::string why) {
+    if (conn != nullptr) PQfinish(conn);
+    conn = nullptr;
+    last_failure = std::move(why);
+    next_attempt = SteadyClock::now();  // the first reconnection is tried at once
+  }
+
+  void connect() {
+    PGconn* c = PQconnectdb(conninfo.c_str());
+    if (c == nullptr || PQstatus(c) != CONNECTION_OK) {
+      const std::string why = c != nullptr ? PQerrorMessage(c) : "out of memory";
+      if (c != nullptr) PQfinish(c);
+      throw StoreError(fmt::format("postgresql: cannot connect: {}", why), 0);
+    }
+    PQsetNoticeProcessor(c, ignore_notice, nullptr);
+    conn = c;
+    try {
+      if (schema.empty()) {
+        char* quoted = PQescapeIdentifier(conn, options.schema.data(), options.schema.size());
+        if (quoted == nullptr) throw pg_error("quoting the schema name", nullptr, conn);
+        schema = quoted;
+        PQfreemem(quoted);
+        for (std::string_view t : kTexts) texts.push_back(with_schema(t, schema));
+      }
+      simple(
+          fmt::format(fmt::runtime(pg_sql::kStatementTimeout), options.statement_timeout.count()));
+      connects.fetch_add(1, std::memory_order_relaxed);
+    } catch (...) {
+      if (conn != nullptr) PQfinish(conn);
+      conn = nullptr;
+      throw;
+    }
+  }
+
+  // Prepares the statements on this connection (after the migrations made what they use).
+  void prepare() {
+    for (int i = 0; i < kStatementCount; ++i) {
+      Result r(PQprepare(conn, statement_name(static_cast<Stmt>(i)).c_str(),
+                         texts[static_cast<std::size_t>(i)].c_str(), 0, nullptr));
+      round_trips.fetch_add(1, std::memory_order_relaxed);
+      if (PQresultStatus(r.get()) != PGRES_COMMAND_OK)
+        throw failure("preparing statements", r.get());
+    }
+  }
+
+  // A usable connection, reconnecting (at most once per backoff) if it was lost. Requires
+  // `mutex`.
+  void ensure() {
+    if (conn != nullptr) {
+      if (options.clock == PgClock::database &&
+          SteadyClock::now() - measured > options.clock_refresh)
+        measure_clock();
+      return;
+    }
+    if (SteadyClock::now() < next_attempt) {
+      throw StoreError(fmt::format("postgresql: not connected ({}); reconnecting", last_failure),
+                       0);
+    }
+    try {
+      connect();
+      prepare();
+      if (options.clock == PgClock::database) measure_clock();
+      backoff = options.reconnect_min;
+    } catch (const StoreError& e) {
+      if (conn != nullptr) PQfinish(conn);
+      conn = nullptr;
+      last_failure = e.what();
+      next_attempt = SteadyClock::now() + backoff;
+      backoff = std::min(backoff * 2, options.reconnect_max);
+      throw;
+    }
+  }
+
+  // The StoreError for a failed result; drops the connection if it broke.
+  StoreError failure(std::string_view what, const PGresult* r) {
+    StoreError e = pg_error(what, r, conn);
+    if (conn != nullptr && PQstatus(conn) != CONNECTION_OK) drop(e.what());
+    return e;
+  }
+
+  void simple(const std::string& sql) {
+    Result r(PQexec(conn, sql.c_str()));
+    round_trips.fetch_add(1, std::memory_order_relaxed);
+    if (PQresultStatus(r.get()) != PGRES_COMMAND_OK && PQresultStatus(r.get()) != PGRES_TUPLES_OK)
+      throw failure(sql.substr(0, sql.find(' ')), r.get());
+  }
+
+  // Runs a prepared statement; binary results.
+  Result run(Stmt s, Params& p) {
+    Result r(PQexecPrepared(conn, statement_name(s).c_str(), p.count(), p.values(), p.lengths(),
+                            p.formats(), 1));
+    round_trips.fetch_add(1, std::memory_order_relaxed);
+    const ExecStatusType status = PQresultStatus(r.get());
+    if (status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK)
+      throw failure("statement", r.get());
+    return r;
+  }
+
+  static std::int64_t changed(const PGresult* r) {
+    const char* n = PQcmdTuples(const_cast<PGresult*>(r));
+    return n != nullptr && *n != '\0' ? std::stoll(n) : 0;
+  }
+
+  // ---- the clock ----
+
+  // The database's clock minus this machine's, from the midpoint of one round trip.
+  void measure_clock() {
+    const TimePoint before = options.local_clock->now();
+    Params none;
+    Result r = run(kNow, none);
+    const TimePoint after = options.local_clock->now();
+    const std::int64_t db = int_at(r.get(), 0, 0);
+    const std::int64_t local = detail::ms(before + (after - before) / 2);
+    offset.store(db - local, std::memory_order_relaxed);
+    measured = SteadyClock::now();
+  }
+
+  // ---- the schema ----
+
+  void migrate() {
+    simple(pg_sql::kBegin);
+    try {
+      simple(fmt::format(fmt::runtime(pg_sql::kMigrationLock),
+                         literal("idem migrations " + options.schema)));
+      simple(with_schema(pg_sql::kCreateMeta, schema));
+      Result v(PQexec(conn, with_schema(pg_sql::kVersion, schema).c_str()));
+      round_trips.fetch_add(1, std::memory_order_relaxed);
+      if (PQresultStatus(v.get()) != PGRES_TUPLES_OK)
+        throw failure("reading the schema version", v.get());
+      const int version = PQntuples(v.get()) > 0 ? std::atoi(PQgetvalue(v.get(), 0, 0)) : 0;
+      const int known = static_cast<int>(pg_sql::kMigrations.size());
+      if (version > known) {
+        throw StoreError(fmt::format("postgresql: schema {} is at version {}, newer than this "
+                                     "library's {}: upgrade idem before opening it",
+                                     options.schema, version, known),
+                         0);
+      }
+      for (int i = version; i < known; ++i)
+        simple(with_schema(pg_sql::kMigrations[static_cast<std::size_t>(i)], schema));
+      if (version < known) {
+        std::string set = with_schema(pg_sql::kSetVersion, schema);
+        set.replace(set.find("{v}"), 3, std::to_string(known));
+        simple(set);
+      }
+      simple(pg_sql::kCommit);
+    } catch (...) {
+      if (conn != nullptr) Result rollback(PQexec(conn, pg_sql::kRollback));
+      throw;
+    }
+    prepare();
+    if (options.clock == PgClock::database) measure_clock();
+  }
+
+  std::string literal(const std::string& s) {
+    char* q = PQescapeLiteral(conn, s.data(), s.size());
+    if (q == nullptr) throw pg_error("quoting", nullptr, conn);
+    std::string out = q;
+    PQfreemem(q);
+    return out;
+  }
+
+  // ---- transactions ----
+
+  // BEGIN now, ROLLBACK unless commit() ran (a failed statement aborts the transaction).
+  class Transaction {
+   public:
+    explicit Transaction(Impl& d) : d_(d) { d_.simple(pg_sql::kBegin); }
+    ~Transaction() {
+      if (!done_ && d_.conn != nullptr) Result rollback(PQexec(d_.conn, pg_sql::kRollback));
+    }
+    Transaction(const Transaction&) = delete;
+    Transaction& operator=(const Transaction&) = delete;
+    void commit() {
+      d_.simple(pg_sql::kCommit);
+      done_ = true;
+      d_.transactions.fetch_add(1, std::memory_order_relaxed);
+    }
+
+   private:
+    Impl& d_;
+    bool done_ = false;
+  };
+
+  template <class F>
+  auto locked(F&& f) -> decltype(f()) {
+    std::lock_guard lock(mutex);
+    ensure();
+    return f();
+  }
+
+  // ---- the ops of apply() ----
+
+  Stmt statement_of(const StoreOp& op) const {
+    switch (op.kind) {
+      case StoreOp::Kind::reserve:
+        return kReserve;
+      case StoreOp::Kind::complete:
+        return kComplete;
+      case StoreOp::Kind::release:
+        return kRelease;
+      case StoreOp::Kind::store_if_absent:
+        return kStoreIfAbsent;
+    }
+    return kReserve;
+  }
+
+  static void response_params(Params& p, const StoredResponse& r) {
+    p.integer(r.response.status);
+    const std::string headers = detail::headers_to_json(r.response.headers);
+    if (headers.empty()) {
+      p.null();
+    } else {
+      p.text(headers);
+    }
+    p.bytes(r.response.body);
+    if (r.body_ref.empty()) {
+      p.null();
+    } else {
+      p.text(r.body_ref);
+    }
+  }
+
+  Params params_of(const StoreOp& op) const {
+    const Shift sh = shift();
+    Params p;
+    p.id(*op.id);
+    const auto fp = [&] {
+      const auto& b = op.fingerprint->bytes();
+      p.bytes(std::string_view(reinterpret_cast<const char*>(b.data()), b.size()));
+    };
+    switch (op.kind) {
+      case StoreOp::Kind::reserve:
+        fp();
+        p.integer(sh.to_db(op.now)).integer(sh.to_db(op.lease_until));
+        break;
+      case StoreOp::Kind::complete:
+        p.integer(op.token);
+        response_params(p, *op.response);
+        p.integer(sh.to_db(op.expires_at));
+        break;
+      case StoreOp::Kind::release:
+        p.integer(op.token)
+            .integer(sh.to_db(op.now))
+            .integer(std::max<std::int64_t>(0, detail::ms(op.expires_at) - detail::ms(op.now)));
+        break;
+      case StoreOp::Kind::store_if_absent:
+        fp();
+        p.integer(sh.to_db(op.now)).integer(sh.to_db(op.expires_at));
+        response_params(p, *op.response);
+        break;
+    }
+    return p;
+  }
+
+  // Puts a successful result into its op.
+  void take(StoreOp& op, const PGresult* r) const {
+    const Shift sh = shift();
+    switch (op.kind) {
+      case StoreOp::Kind::reserve: {
+        if (PQntuples(r) != 1) throw StoreError("postgresql: idem_reserve returned no row", 0);
+        const std::int64_t kind = int_at(r, 0, 0);
+        op.reservation = {};
+        if (kind == 2) {
+          op.reservation.kind = Reservation::Kind::existing;
+          op.reservation.existing = read_record(r, 0, 3, sh);
+        } else {
+          op.reservation.kind =
+              kind == 1 ? Reservation::Kind::taken_over : Reservation::Kind::reserved;
+          op.reservation.token = int_at(r, 0, 1);
+          if (!is_null(r, 0, 2)) op.reservation.recovery_point = std::string(bytes_at(r, 0, 2));
+        }
+        break;
+      }
+      case StoreOp::Kind::complete:
+      case StoreOp::Kind::release:
+        op.applied = changed(r) == 1;
+        break;
+      case StoreOp::Kind::store_if_absent:
+        if (PQntuples(r) != 1)
+          throw StoreError("postgresql: idem_store_if_absent returned no row", 0);
+        op.reservation = {};
+        if (int_at(r, 0, 0) == 0) {
+          op.reservation.kind = Reservation::Kind::existing;
+          op.reservation.existing = read_record(r, 0, 1, sh);
+        }
+        break;
+    }
+  }
+
+  // One op on its own (its statement is its own transaction). Requires `mutex`.
+  void apply_single(StoreOp& op) {
+    op.reservation = {};
+    op.applied = false;
+    try {
+      ensure();
+      Params p = params_of(op);
+      Result r = run(statement_of(op), p);
+      take(op, r.get());
+      transactions.fetch_add(1, std::memory_order_relaxed);
+      committed_ops.fetch_add(1, std::memory_order_relaxed);
+    } catch (...) {
+      op.error = std::current_exception();
+    }
+  }
+
+  enum class Pipelined {
+    committed,  // every op has its outcome
+    op_failed,  // one op (or the COMMIT) failed: nothing was committed, the ops are untouched
+  };
+
+  // The ops in one pipeline: BEGIN, each op, COMMIT, one sync, one round trip. Throws
+  // StoreError if the connection cannot be had, or broke on the way: then whether the COMMIT
+  // took effect is unknown, and running the ops again could find their own writes.
+  // Requires `mutex`.
+  Pipelined apply_pipelined(std::span<StoreOp* const> ops, std::span<Params> params) {
+    ensure();
+    if (PQenterPipelineMode(conn) != 1) throw failure("entering pipeline mode", nullptr);
+    bool sent =
+        PQsendQueryParams(conn, pg_sql::kBegin, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
+    for (std::size_t i = 0; sent && i < ops.size(); ++i) {
+      Params& p = params[i];
+      sent = PQsendQueryPrepared(conn, statement_name(statement_of(*ops[i])).c_str(), p.count(),
+                                 p.values(), p.lengths(), p.formats(), 1) == 1;
+    }
+    sent = sent &&
+           PQsendQueryParams(conn, pg_sql::kCommit, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
+    sent = sent && PQpipelineSync(conn) == 1;
+    round_trips.fetch_add(1, std::memory_order_relaxed);
+    if (!sent) {
+      StoreError e = pg_error("sending a pipeline", nullptr, conn);
+      drop(e.what());
+      throw e;
+    }
+    // Results: BEGIN, each op, COMMIT (each followed by a null), then the sync.
+    std::vector<Result> results;
+    bool ok = true;
+    const std::size_t commands = ops.size() + 2;
+    for (std::size_t i = 0; i < commands; ++i) {
+      Result r(PQgetResult(conn));
+      if (!r) {
+        ok = false;
+        break;
+      }
+      const ExecStatusType status = PQresultStatus(r.get());
+      if (status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK) ok = false;
+      results.push_back(std::move(r));
+      while (PGresult* extra = PQgetResult(conn)) PQclear(extra);  // the null after a command
+    }
+    bool synced = false;
+    for (int guard = 0; guard < 4 && !synced; ++guard) {
+      Result r(PQgetResult(conn));
+      if (!r) break;
+      synced = PQresultStatus(r.get()) == PGRES_PIPELINE_SYNC;
+    }
+    if (!synced || PQexitPipelineMode(conn) != 1) {
+      StoreError e =
+          pg_error("a pipeline broke before its end (its outcome is unknown)", nullptr, conn);
+      drop(e.what());
+      throw e;
+    }
+    if (!ok) {
+      // The sync ends the pipeline, not the transaction BEGIN opened: it is left aborted.
+      if (PQtransactionStatus(conn) != PQTRANS_IDLE) simple(pg_sql::kRollback);
+      return Pipelined::op_failed;
+    }
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      try {
+        take(*ops[i], results[i + 1].get());
+      } catch (...) {
+        ops[i]->error = std::current_exception();
+      }
+    }
+    transactions.fetch_add(1, std::memory_order_relaxed);
+    committed_ops.fetch_add(ops.size(), std::memory_order_relaxed);
+    return Pipelined::committed;
+  }
+
+  // ---- multi-step operations ----
+
+  std::optional<ProgressRow> load_progress(const KeyId& id) {
+    Params p;
+    p.id(id);
+    Result r = run(kLoadProgress, p);
+    if (PQntuples(r.get()) == 0) return std::nullopt;
+    return read_progress(r.get());
+  }
+
+  bool write_progress(const KeyId& id, std::int64_t token, const Progress& progress,
+                      const std::string* recovery_point) {
+    Params p;
+    p.id(id).integer(token).text(detail::progress_to_json(progress));
+    if (recovery_point != nullptr) {
+      p.text(*recovery_point);
+    } else {
+      p.null();
+    }
+    return changed(run(kSetProgress, p).get()) == 1;
+  }
+};
+
+namespace {
+
+// A local step's handle on the store's open transaction. Text-format results, decoded by
+// type, so any column type comes back readable.
+class PgLocal final : public LocalTransaction {
+ public:
+  PgLocal(PGconn* conn, const std::string& outbox_insert, const KeyId& id, std::int64_t origin,
+          std::string_view step, std::int64_t now_db)
+      : conn_(conn),
+        outbox_insert_(outbox_insert),
+        id_(id),
+        origin_(origin),
+        step_(step),
+        now_db_(now_db) {}
+
+  std::vector<Row> execute(std::string_view sql, std::initializer_list<Value> params) override {
+    Params p;
+    for (const Value& v : params) {
+      if (std::holds_alternative<std::nullptr_t>(v)) {
+        p.null();
+      } else if (const auto* n = std::get_if<std::int64_t>(&v)) {
+        p.integer(*n);
+      } else if (const auto* d = std::get_if<double>(&v)) {
+        p.real(*d);
+      } else {
+        p.bytes(std::get<std::string>(v));
+      }
+    }
+    const std::string text(sql);
+    Result r(PQexecParams(conn_, text.c_str(), p.count(), nullptr, p.values(), p.lengths(),
+                          p.formats(), 0));
+    const ExecStatusType status = PQresultStatus(r.get());
+    if (status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK) {
+      throw pg_error("a local step's statement", r.get(), conn_);
+    }
+    changes_ = 0;
+    if (const char* n = PQcmdTuples(r.get()); n != nullptr && *n != '\0') changes_ = std::stoll(n);
+    std::vector<Row> rows;
+    for (int row = 0; row < PQntuples(r.get()); ++row) {
+      Row out;
+      for (int col = 0; col < PQnfields(r.get()); ++col) out.push_back(value(r.get(), row, col));
+      rows.push_back(std::move(out));
+    }
+    return rows;
+  }
+
+  std::int64_t changes() const override { return changes_; }
+
+  std::string enqueue(std::string_view topic, std::string_view payload) override {
+    std::string id = outbox_message_id(id_, origin_, step_, sent_++);
+    Params p;
+    p.text(id).text(topic).bytes(payload).text(short_hash(id_)).integer(now_db_);
+    Result r(PQexecPrepared(conn_, outbox_insert_.c_str(), p.count(), p.values(), p.lengths(),
+                            p.formats(), 1));
+    if (PQresultStatus(r.get()) != PGRES_COMMAND_OK)
+      throw pg_error("queueing a message", r.get(), conn_);
+    return id;
+  }
+
+ private:
+  static Value value(const PGresult* r, int row, int col) {
+    if (PQgetisnull(r, row, col)) return nullptr;
+    const char* text = PQgetvalue(r, row, col);
+    switch (PQftype(r, col)) {
+      case kInt2Oid:
+      case kInt4Oid:
+      case kInt8Oid:
+        return std::int64_t{std::stoll(text)};
+      case kFloat4Oid:
+      case kFloat8Oid:
+        return std::stod(text);
+      case kBoolOid:
+        return std::int64_t{text[0] == 't' ? 1 : 0};
+      case kByteaOid: {
+        std::size_t n = 0;
+        unsigned char* raw = PQunescapeBytea(reinterpret_cast<const unsigned char*>(text), &n);
+        if (raw == nullptr) throw StoreError("postgresql: a bytea column does not decode", 0);
+        std::string out(reinterpret_cast<const char*>(raw), n);
+        PQfreemem(raw);
+        return out;
+      }
+      default:
+        return std::string(text, static_cast<std::size_t>(PQgetlength(r, row, col)));
+    }
+  }
+
+  PGconn* conn_;
+  const std::string& outbox_insert_;
+  const KeyId& id_;
+  std::int64_t origin_;
+  std::string_view step_;
+  std::int64_t now_db_;
+  std::size_t sent_ = 0;
+  std::int64_t changes_ = 0;
+};
+
+// Runs one op through apply() and rethrows its error, for the single-op entry points.
+StoreOp& apply_one(PgStore& store, StoreOp&& op) {
+  StoreOp* one = &op;
+  store.apply(std::span<StoreOp* const>(&one, 1));
+  if (op.error) std::rethrow_exception(op.error);
+  return op;
+}
+
+}  // namespace
+
+PgStore::PgStore(const std::string& conninfo, PgOptions options)
+    : impl_(std::make_unique<Impl>(conninfo, std::move(options))) {}
+
+PgStore::~PgStore() = default;
+
+int PgStore::schema_version() noexcept { return static_cast<int>(pg_sql::kMigrations.size()); }
+
+PgStore::Stats PgStore::stats() const {
+  return Stats{impl_->transactions.load(std::memory_order_relaxed),
+               impl_->committed_ops.load(std::memory_order_relaxed),
+               impl_->round_trips.load(std::memory_order_relaxed),
+               impl_->connects.load(std::memory_order_relaxed)};
+}
+
+std::chrono::milliseconds PgStore::clock_offset() const {
+  return std::chrono::milliseconds(impl_->offset.load(std::memory_order_relaxed));
+}
+
+void PgStore::apply(std::span<StoreOp* const> ops) {
+  if (ops.empty()) return;
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mutex);
+  if (ops.size() == 1) {
+    d.apply_single(*ops[0]);
+    return;
+  }
+  // Rows are locked in key order, so two nodes' batches never wait for each other in a
+  // cycle; ops on one key keep their order (a stable sort).
+  std::vector<StoreOp*> sorted(ops.begin(), ops.end());
+  std::stable_sort(sorted.begin(), sorted.end(), [](const StoreOp* a, const StoreOp* b) {
+    return std::tie(a->id->tenant, a->id->operation, a->id->key) <
+           std::tie(b->id->tenant, b->id->operation, b->id->key);
+  });
+  // An op whose inputs cannot be sent (a header that is not UTF-8) fails alone, before any
+  // round trip.
+  std::vector<StoreOp*> sendable;
+  std::vector<Params> params;
+  for (StoreOp* op : sorted) {
+    try {
+      params.push_back(d.params_of(*op));
+      sendable.push_back(op);
+    } catch (...) {
+      op->error = std::current_exception();
+    }
+  }
+  for (std::size_t first = 0; first < sendable.size(); first += kMaxPipelineOps) {
+    const std::size_t n = std::min(kMaxPipelineOps, sendable.size() - first);
+    const std::span<StoreOp* const> part(sendable.data() + first, n);
+    Impl::Pipelined outcome{};
+    try {
+      outcome = d.apply_pipelined(part, std::span<Params>(params.data() + first, n));
+    } catch (...) {  // no connection, or it broke: every op fails alike
+      for (StoreOp* op : part) op->error = std::current_exception();
+      continue;
+    }
+    // One op broke the transaction: each op on its own, so its neighbours still succeed.
+    if (outcome == Impl::Pipelined::op_failed) {
+      for (StoreOp* op : part) d.apply_single(*op);
+    }
+  }
+}
+
+Reservation PgStore::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                             TimePoint lease_until) {
+  return std::move(apply_one(*this, StoreOp{.kind = StoreOp::Kind::reserve,
+                                            .id = &id,
+                                            .fingerprint = &fingerprint,
+                                            .now = now,
+                                            .lease_until = lease_until})
+                       .reservation);
+}
+
+bool PgStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                       TimePoint expires_at) {
+  return apply_one(*this, StoreOp{.kind = StoreOp::Kind::complete,
+                                  .id = &id,
+                                  .expires_at = expires_at,
+                                  .token = token,
+                                  .response = &response})
+      .applied;
+}
+
+bool PgStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
+  return apply_one(*this,
+                   StoreOp{.kind = StoreOp::Kind::release, .id = &id, .now = now, .token = token})
+      .applied;
+}
+
+std::optional<Record> PgStore::store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                               const StoredResponse& response, TimePoint now,
+                                               TimePoint expires_at) {
+  return std::move(apply_one(*this, StoreOp{.kind = StoreOp::Kind::store_if_absent,
+                                            .id = &id,
+                                            .fingerprint = &fingerprint,
+                                            .now = now,
+                                            .expires_at = expires_at,
+                                            .response = &response})
+                       .reservation.existing);
+}
+
+bool PgStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    Params p;
+    p.id(id).integer(token).integer(d.shift().to_db(lease_until));
+    return Impl::changed(d.run(kRenew, p).get()) == 1;
+  });
+}
+
+bool PgStore::set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    Params p;
+    p.id(id).integer(token).text(point);
+    return Impl::changed(d.run(kSetRecoveryPoint, p).get()) == 1;
+  });
+}
+
+std::optional<Record> PgStore::load(const KeyId& id) {
+  Impl& d = *impl_;
+  return d.locked([&]() -> std::optional<Record> {
+    Params p;
+    p.id(id);
+    Result r = d.run(kLoad, p);
+    if (PQntuples(r.get()) == 0) return std::nullopt;
+    return read_record(r.get(), 0, 0, d.shift());
+  });
+}
+
+std::size_t PgStore::purge_expired(TimePoint now, std::size_t limit) {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    Params p;
+    p.integer(d.shift().to_db(now)).integer(static_cast<std::int64_t>(limit));
+    return static_cast<std::size_t>(Impl::changed(d.run(kPurge, p).get()));
+  });
+}
+
+std::vector<ReapedRecord> PgStore::reap(TimePoint lease_ended_before, std::size_t limit) {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    const Shift sh = d.shift();
+    Params p;
+    p.integer(sh.to_db(lease_ended_before)).integer(static_cast<std::int64_t>(limit));
+    Result r = d.run(kReap, p);
+    std::vector<ReapedRecord> out;
+    for (int row = 0; row < PQntuples(r.get()); ++row) {
+      const KeyId id{std::string(bytes_at(r.get(), row, 0)), std::string(bytes_at(r.get(), row, 1)),
+                     std::string(bytes_at(r.get(), row, 2))};
+      out.push_back({short_hash(id), id.operation, int_at(r.get(), row, 3),
+                     sh.from_db(int_at(r.get(), row, 4))});
+    }
+    return out;
+  });
+}
+
+std::optional<Progress> PgStore::begin_steps(const KeyId& id, std::int64_t token,
+                                             const std::string& request) {
+  Impl& d = *impl_;
+  return d.locked([&]() -> std::optional<Progress> {
+    Params p;
+    p.id(id).integer(token).bytes(request);
+    Result r = d.run(kBeginSteps, p);
+    if (PQntuples(r.get()) == 0) return std::nullopt;
+    ProgressRow row = read_progress(r.get());
+    if (row.progress) return std::move(row.progress);
+    Progress fresh;  // nothing happened yet: this attempt is the operation's origin
+    fresh.origin = token;
+    fresh.request = request;
+    return fresh;
+  });
+}
+
+bool PgStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                           const std::string& step) {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    Impl::Transaction t(d);
+    std::optional<ProgressRow> row = d.load_progress(id);
+    if (!row || row->token != token || row->state != State::in_progress) return false;
+    Progress p = row->progress.value_or(Progress{});
+    if (!row->progress) p.origin = origin;
+    p.pending = step;
+    if (!d.write_progress(id, token, p, nullptr)) return false;
+    t.commit();
+    return true;
+  });
+}
+
+bool PgStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                          const StepCommit& step) {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    Impl::Transaction t(d);
+    std::optional<ProgressRow> row = d.load_progress(id);
+    if (!row || row->token != token || row->state != State::in_progress)
+      return false;        // a zombie: nothing of its step runs
+    if (!row->progress) {  // the operation's first recorded step
+      row->progress.emplace();
+      row->progress->origin = origin;
+    }
+    if (step.local) {
+      PgLocal local(d.conn, statement_name(kOutboxInsert), id, origin, step.result.step,
+                    d.shift().to_db(step.now));
+      step.local(local);
+    }
+    Progress& p = *row->progress;
+    p.steps.push_back(step.result);
+    if (p.pending == step.result.step) p.pending.reset();
+    if (!d.write_progress(id, token, p, &step.result.step))
+      throw StoreError("postgresql: commit_step: record changed inside its transaction", 0);
+    t.commit();
+    return true;
+  });
+}
+
+std::vector<AbandonedOperation> PgStore::abandoned(TimePoint idle_before, TimePoint now,
+                                                   std::size_t limit,
+                                                   std::span<const std::string> operations) {
+  nlohmann::json names = nlohmann::json::array();
+  for (const std::string& op : operations) names.push_back(op);
+  Impl& d = *impl_;
+  return d.locked([&] {
+    const Shift sh = d.shift();
+    Params p;
+    p.integer(sh.to_db(idle_before))
+        .integer(sh.to_db(now))
+        .integer(static_cast<std::int64_t>(limit))
+        .text(names.dump());
+    Result r = d.run(kAbandoned, p);
+    std::vector<AbandonedOperation> out;
+    for (int row = 0; row < PQntuples(r.get()); ++row) {
+      AbandonedOperation a;
+      a.id = KeyId{std::string(bytes_at(r.get(), row, 0)), std::string(bytes_at(r.get(), row, 1)),
+                   std::string(bytes_at(r.get(), row, 2))};
+      const std::string_view fp = bytes_at(r.get(), row, 3);
+      Fingerprint::Bytes bytes{};
+      std::copy_n(fp.begin(), std::min(fp.size(), bytes.size()), bytes.begin());
+      a.fingerprint = Fingerprint(bytes);
+      a.state = static_cast<State>(int_at(r.get(), row, 4));
+      a.request = std::string(bytes_at(r.get(), row, 5));
+      out.push_back(std::move(a));
+    }
+    return out;
+  });
+}
+
+std::vector<OutboxMessage> PgStore::claim_outbox(TimePoint now, TimePoint claim_until,
+                                                 std::size_t limit) {
+  Impl& d = *impl_;
+  std::vector<OutboxMessage> out = d.locked([&] {
+    const Shift sh = d.shift();
+    Params p;
+    p.integer(sh.to_db(now))
+        .integer(sh.to_db(claim_until))
+        .integer(static_cast<std::int64_t>(limit));
+    Result r = d.run(kOutboxClaim, p);
+    std::vector<OutboxMessage> claimed;
+    for (int row = 0; row < PQntuples(r.get()); ++row) {
+      claimed.push_back(OutboxMessage{
+          std::string(bytes_at(r.get(), row, 0)), std::string(bytes_at(r.get(), row, 1)),
+          std::string(bytes_at(r.get(), row, 2)), static_cast<int>(int_at(r.get(), row, 3)),
+          sh.from_db(int_at(r.get(), row, 4))});
+    }
+    return claimed;
+  });
+  std::stable_sort(out.begin(), out.end(), [](const OutboxMessage& a, const OutboxMessage& b) {
+    return a.created_at < b.created_at;
+  });
+  return out;
+}
+
+bool PgStore::outbox_delivered(const std::string& id, TimePoint now) {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    Params p;
+    p.text(id).integer(d.shift().to_db(now));
+    return Impl::changed(d.run(kOutboxDelivered, p).get()) == 1;
+  });
+}
+
+void PgStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                            const std::string& why) {
+  Impl& d = *impl_;
+  d.locked([&] {
+    Params p;
+    p.text(id).integer(d.shift().to_db(retry_at)).integer(park ? 1 : 0).text(why);
+    d.run(kOutboxFailed, p);
+  });
+}
+
+OutboxCounts PgStore::outbox_counts() {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    Params none;
+    Result r = d.run(kOutboxCounts, none);
+    OutboxCounts c;
+    for (int row = 0; row < PQntuples(r.get()); ++row) {
+      const auto n = static_cast<std::size_t>(int_at(r.get(), row, 1));
+      switch (int_at(r.get(), row, 0)) {
+        case 0:
+          c.pending = n;
+          break;
+        case 1:
+          c.delivered = n;
+          break;
+        default:
+          c.parked = n;
+          break;
+      }
+    }
+    return c;
+  });
+}
+
+std::size_t PgStore::purge_outbox(TimePoint delivered_before, std::size_t limit) {
+  Impl& d = *impl_;
+  return d.locked([&] {
+    Params p;
+    p.integer(d.shift().to_db(delivered_before)).integer(static_cast<std::int64_t>(limit));
+    return static_cast<std::size_t>(Impl::changed(d.run(kOutboxPurge, p).get()));
+  });
+}
+
+}  // namespace idem

@@ -1,0 +1,260 @@
+// What only PostgreSQL has: batches in one pipeline, the database's clock, lost connections,
+// schema versions on a server, and several nodes (stores with their own connections) racing
+// on one key. The contract both engines keep is store_contract_test.cpp's.
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <libpq-fe.h>
+
+#include <atomic>
+#include <latch>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "idem/errors.hpp"
+#include "store_engines.hpp"
+
+using namespace std::chrono_literals;
+using idem::Reservation;
+using idem::StoreOp;
+using idem::test::PgEngine;
+using idem::test::request;
+
+namespace {
+
+const idem::TimePoint T0 = idem::sim::kSimulationStart;
+const idem::Fingerprint kFp = idem::Fingerprint::of(nlohmann::json{{"amount", 1}});
+
+idem::StoredResponse response(std::string body) {
+  return idem::StoredResponse{idem::Response{200, std::move(body), {}}, ""};
+}
+
+// A plain libpq connection, for looking at (or breaking) what a store does.
+class Raw {
+ public:
+  explicit Raw(const std::string& conninfo) : conn_(PQconnectdb(conninfo.c_str())) {
+    if (PQstatus(conn_) != CONNECTION_OK) throw std::runtime_error(PQerrorMessage(conn_));
+  }
+  ~Raw() { PQfinish(conn_); }
+  Raw(const Raw&) = delete;
+  Raw& operator=(const Raw&) = delete;
+
+  // The first column of the first row as text ("" when there is no row).
+  std::string scalar(const std::string& sql) {
+    PGresult* r = PQexec(conn_, sql.c_str());
+    const ExecStatusType status = PQresultStatus(r);
+    if (status != PGRES_TUPLES_OK && status != PGRES_COMMAND_OK) {
+      const std::string why = PQresultErrorMessage(r);
+      PQclear(r);
+      throw std::runtime_error(why);
+    }
+    std::string out = PQntuples(r) > 0 ? PQgetvalue(r, 0, 0) : "";
+    PQclear(r);
+    return out;
+  }
+
+ private:
+  PGconn* conn_;
+};
+
+std::vector<StoreOp*> pointers(std::vector<StoreOp>& ops) {
+  std::vector<StoreOp*> out;
+  for (StoreOp& op : ops) out.push_back(&op);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("postgresql: a batch is one transaction in one round trip, each op its own outcome") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  auto store = std::dynamic_pointer_cast<idem::PgStore>(e.open());
+  const idem::KeyId held{"alpha", "pay", "held"};
+  const Reservation r = store->reserve(held, kFp, T0, T0 + 30s);
+  const idem::KeyId a{"alpha", "pay", "a"}, b{"alpha", "pay", "b"};
+  const idem::StoredResponse done = response("ok");
+  std::vector<StoreOp> ops = {
+      {.kind = StoreOp::Kind::reserve,
+       .id = &b,
+       .fingerprint = &kFp,
+       .now = T0,
+       .lease_until = T0 + 30s},
+      {.kind = StoreOp::Kind::reserve,
+       .id = &held,
+       .fingerprint = &kFp,
+       .now = T0,
+       .lease_until = T0 + 30s},
+      {.kind = StoreOp::Kind::complete,
+       .id = &held,
+       .expires_at = T0 + 1h,
+       .token = r.token + 1,
+       .response = &done},
+      {.kind = StoreOp::Kind::reserve,
+       .id = &a,
+       .fingerprint = &kFp,
+       .now = T0,
+       .lease_until = T0 + 30s},
+      {.kind = StoreOp::Kind::complete,
+       .id = &held,
+       .expires_at = T0 + 1h,
+       .token = r.token,
+       .response = &done},
+  };
+  const idem::PgStore::Stats before = store->stats();
+  store->apply(pointers(ops));
+  const idem::PgStore::Stats after = store->stats();
+  CHECK(after.transactions - before.transactions == 1);
+  CHECK(after.round_trips - before.round_trips == 1);
+  CHECK(after.ops - before.ops == 5);
+  for (const StoreOp& op : ops) CHECK_FALSE(op.error);
+  CHECK(ops[0].reservation.kind == Reservation::Kind::reserved);
+  CHECK(ops[1].reservation.kind == Reservation::Kind::existing);
+  CHECK_FALSE(ops[2].applied);  // a stale token
+  CHECK(ops[3].reservation.kind == Reservation::Kind::reserved);
+  CHECK(ops[4].applied);  // after the stale one, in the batch's order for this key
+  CHECK(store->load(held)->response.body == "ok");
+}
+
+TEST_CASE("postgresql: an op the server refuses fails alone, its neighbours commit") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  auto store = e.open();
+  // Not UTF-8: the server refuses the key (a text column); the Coordinator never sends one.
+  const idem::KeyId bad{"alpha", "pay", "\xff\xfe"}, good1{"alpha", "pay", "g1"},
+      good2{"alpha", "pay", "g2"};
+  std::vector<StoreOp> ops;
+  for (const idem::KeyId* id : {&good1, &bad, &good2}) {
+    ops.push_back({.kind = StoreOp::Kind::reserve,
+                   .id = id,
+                   .fingerprint = &kFp,
+                   .now = T0,
+                   .lease_until = T0 + 30s});
+  }
+  store->apply(pointers(ops));
+  CHECK_FALSE(ops[0].error);
+  REQUIRE(ops[1].error);
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(ops[1].error), doctest::Contains("postgresql:"),
+                       idem::StoreError);
+  CHECK_FALSE(ops[2].error);
+  CHECK(ops[0].reservation.kind == Reservation::Kind::reserved);
+  CHECK(ops[2].reservation.kind == Reservation::Kind::reserved);
+  CHECK(store->load(good1));
+  CHECK(store->load(good2));
+}
+
+TEST_CASE("postgresql: on the database's clock, a skewed node's times are stored on the server's") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  // A node whose clock is months behind the server's (a simulated clock that stands still).
+  auto node_clock = std::make_shared<idem::sim::SimulatedClock>();
+  idem::PgStore store(e.conninfo, idem::PgOptions{.schema = e.schema, .local_clock = node_clock});
+  const idem::KeyId id{"alpha", "pay", "k"};
+  const idem::TimePoint now = node_clock->now();
+  REQUIRE(store.reserve(id, kFp, now, now + 30s).kind == Reservation::Kind::reserved);
+  // Read back on the node's clock: exactly what it wrote.
+  CHECK(store.load(id)->lease_until == now + 30s);
+  CHECK(store.clock_offset() > 24h);
+  // Stored on the server's: the lease ends 30 s after the server's time of the write, so a
+  // node with another skew judges it alike. (The slack is for this test's own round trips.)
+  Raw raw(e.conninfo);
+  const long long left = std::stoll(raw.scalar(
+      fmt::format("SELECT lease_until - (extract(epoch FROM clock_timestamp()) * 1000)::bigint "
+                  "FROM {}.idem_keys WHERE key = 'k'",
+                  e.schema)));
+  CHECK(left <= 31'000);
+  CHECK(left > 20'000);
+  // A second node, its clock an hour ahead of the first, sees the lease as live until the
+  // same server instant: 30 s after its own now, not an hour off.
+  auto ahead = std::make_shared<idem::sim::SimulatedClock>();
+  ahead->advance(1h);
+  idem::PgStore other(e.conninfo, idem::PgOptions{.schema = e.schema, .local_clock = ahead});
+  const auto seen = other.load(id);
+  REQUIRE(seen);
+  CHECK(seen->lease_until - ahead->now() <= 31s);
+  CHECK(seen->lease_until - ahead->now() > 20s);
+  CHECK(other.reserve(id, kFp, ahead->now(), ahead->now() + 30s).kind ==
+        Reservation::Kind::existing);
+}
+
+TEST_CASE("postgresql: a lost connection is a StoreError, and the next call reconnects") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  const std::string app = fmt::format("victim_{}", e.schema);
+  idem::PgStore store(e.conninfo + " application_name=" + app,
+                      idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller});
+  const idem::KeyId id{"alpha", "pay", "k"};
+  const Reservation r = store.reserve(id, kFp, T0, T0 + 30s);
+  CHECK(store.stats().connects == 1);
+  Raw raw(e.conninfo);
+  CHECK(raw.scalar(fmt::format("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                               "WHERE application_name = '{}'",
+                               app)) == "1");
+  CHECK_THROWS_AS(store.load(id), idem::StoreError);
+  // The record outlives the connection; the store connects again by itself.
+  const auto rec = store.load(id);
+  REQUIRE(rec);
+  CHECK(rec->token == r.token);
+  CHECK(store.stats().connects == 2);
+  CHECK(store.complete(id, r.token, response("ok"), T0 + 1h));
+}
+
+TEST_CASE("postgresql: an unreachable server is a StoreError, and a newer schema is refused") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  CHECK_THROWS_WITH_AS(idem::PgStore("host=/nonexistent-idem-dir port=1 connect_timeout=2"),
+                       doctest::Contains("postgresql: cannot connect"), idem::StoreError);
+  { idem::PgStore first(e.conninfo, idem::PgOptions{.schema = e.schema}); }
+  Raw raw(e.conninfo);
+  CHECK(raw.scalar(fmt::format("SELECT version FROM {}.idem_meta", e.schema)) ==
+        std::to_string(idem::PgStore::schema_version()));
+  // Reopening migrates nothing and keeps the version.
+  { idem::PgStore again(e.conninfo, idem::PgOptions{.schema = e.schema}); }
+  raw.scalar(fmt::format("UPDATE {}.idem_meta SET version = 99", e.schema));
+  CHECK_THROWS_WITH_AS(idem::PgStore(e.conninfo, idem::PgOptions{.schema = e.schema}),
+                       doctest::Contains("newer than this library's"), idem::StoreError);
+  CHECK_THROWS_AS(idem::PgStore(e.conninfo, idem::PgOptions{.schema = ""}), idem::error);
+}
+
+TEST_CASE("postgresql race: two nodes, 8 threads, one key a round, 100 rounds: one charge each") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  // Two stores with their own connections are two nodes; each has its own Coordinator.
+  auto clock = std::make_shared<idem::SystemClock>();
+  const idem::Options options{.in_flight = idem::InFlight::wait, .max_wait = 20s, .clock = clock};
+  idem::Coordinator node_a(
+      std::make_shared<idem::PgStore>(e.conninfo, idem::PgOptions{.schema = e.schema}), options);
+  idem::Coordinator node_b(
+      std::make_shared<idem::PgStore>(e.conninfo, idem::PgOptions{.schema = e.schema}), options);
+  auto provider = std::make_shared<idem::sim::Provider>(
+      clock, idem::sim::ProviderOptions{.latency = 2ms, .dedup = false});
+  constexpr int kRounds = 100, kThreads = 8;
+  std::size_t found_held = 0;  // calls that found the key reserved by another: proof of overlap
+  for (int round = 0; round < kRounds; ++round) {
+    const std::size_t charges_before = provider->charge_count();
+    std::latch start(kThreads);
+    std::mutex mutex;
+    std::vector<std::string> answers;
+    std::atomic<int> executed{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        idem::Coordinator& node = t % 2 == 0 ? node_a : node_b;
+        start.arrive_and_wait();
+        const idem::Outcome o = node.call(request(fmt::format("round-{}", round)), [&] {
+          return idem::Response{200, provider->charge("A-1", 4990, "").charge_id, {}};
+        });
+        if (o.source == idem::Outcome::Source::executed) ++executed;
+        std::lock_guard lock(mutex);
+        answers.push_back(o.response.body);
+      });
+    }
+    for (auto& t : threads) t.join();
+    REQUIRE(provider->charge_count() - charges_before == 1);
+    REQUIRE(executed == 1);
+    REQUIRE(answers.size() == kThreads);
+    for (const auto& a : answers) REQUIRE(a == answers.front());
+  }
+  CHECK(provider->charge_count() == kRounds);
+  found_held = node_a.metrics().waited + node_b.metrics().waited;
+  CHECK(found_held > 0);
+}
