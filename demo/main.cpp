@@ -121,6 +121,11 @@ int main(int argc, char** argv) {
   serve->add_option("--provider-latency-ms", serve_latency_ms, "Provider latency")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  std::size_t replay_cache_mb = 0;
+  serve
+      ->add_option("--replay-cache-mb", replay_cache_mb,
+                   "Hold completed records in memory, up to this many MiB (0: off)")
+      ->capture_default_str();
   serve->add_flag("--fail-closed", serve_options.api.fail_closed,
                   "Answer 503 instead of charging when the store fails");
   serve->add_option("--api-keys", api_keys_file,
@@ -176,6 +181,7 @@ int main(int argc, char** argv) {
       serve_options.api.policy =
           serve_policy == "wait" ? idem::InFlight::wait : idem::InFlight::raise;
       serve_options.api.provider_latency = std::chrono::milliseconds(serve_latency_ms);
+      serve_options.api.replay_cache_bytes = replay_cache_mb << 20;
       serve_options.api.ttl = std::chrono::seconds(serve_ttl_s);
       if (!api_keys_file.empty())
         serve_options.api.api_keys = idem::demo::load_api_keys(api_keys_file);

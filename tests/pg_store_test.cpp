@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "idem/errors.hpp"
+#include "idem/replay_cache.hpp"
 #include "store_engines.hpp"
 
 using namespace std::chrono_literals;
@@ -257,4 +258,27 @@ TEST_CASE("postgresql race: two nodes, 8 threads, one key a round, 100 rounds: o
   CHECK(provider->charge_count() == kRounds);
   found_held = node_a.metrics().waited + node_b.metrics().waited;
   CHECK(found_held > 0);
+}
+
+TEST_CASE("postgresql: replays of a hot key through the replay cache make no round trip") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  auto clock = std::make_shared<idem::sim::SimulatedClock>();
+  auto pg = std::make_shared<idem::PgStore>(
+      e.conninfo, idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller});
+  idem::Coordinator idem(
+      std::make_shared<idem::ReplayCache>(pg, idem::ReplayCacheOptions{.clock = clock}),
+      idem::Options{.clock = clock});
+  int charges = 0;
+  const auto charge = [&] {
+    ++charges;
+    return idem::Response{200, "ch_1", {}};
+  };
+  CHECK(idem.call(request("hot"), charge).source == idem::Outcome::Source::executed);
+  CHECK(idem.call(request("hot"), charge).replayed());  // read once from PostgreSQL, then held
+  const std::uint64_t round_trips = pg->stats().round_trips;
+  for (int i = 0; i < 50; ++i) CHECK(idem.call(request("hot"), charge).replayed());
+  CHECK_THROWS_AS(idem.call(request("hot", 1), charge), idem::KeyReuseError);
+  CHECK(pg->stats().round_trips == round_trips);
+  CHECK(charges == 1);
 }

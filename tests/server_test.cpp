@@ -320,6 +320,25 @@ TEST_CASE("server: routes, methods, health, metrics and the provider's statement
   CHECK(metrics.body.find("idem_completed_total 1\n") != std::string::npos);
 }
 
+TEST_CASE("server: with a replay cache, replays are answered from memory and counted in /metrics") {
+  idem::demo::ServerOptions options = with(InFlight::raise, 10ms);
+  options.api.replay_cache_bytes = 1 << 20;
+  TestServer s(std::move(options));
+  HttpClient c(s.port());
+  for (int i = 0; i < 5; ++i) {
+    CHECK(c.send("POST", "/v1/payments", post_headers("k1"), payment()).status == 200);
+  }
+  // Another amount under the key: 422, from the held record too.
+  CHECK(c.send("POST", "/v1/payments", post_headers("k1"), payment(100)).status == 422);
+  CHECK(json::parse(c.send("GET", "/v1/provider/charges").body).at("count") == 1);
+  const HttpReply metrics = c.send("GET", "/metrics");
+  CHECK(metrics.body.find("idem_replayed_total 4\n") != std::string::npos);
+  CHECK(metrics.body.find("idem_key_reuse_total 1\n") != std::string::npos);
+  // The first replay read the record and kept it; the other three and the 422 were hits.
+  CHECK(metrics.body.find("idem_replay_cache_hits_total 4\n") != std::string::npos);
+  CHECK(metrics.body.find("idem_replay_cache_entries 1\n") != std::string::npos);
+}
+
 TEST_CASE("server: stop() lets the request in flight finish and be answered") {
   auto s = std::make_unique<TestServer>(with(InFlight::raise, 300ms));
   HttpClient c(s->port());

@@ -18,6 +18,7 @@
 #include "checkout_sql.hpp"
 #include "idem/asio.hpp"
 #include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for the orders table
+#include "idem/replay_cache.hpp"
 #include "idem/sim/mail.hpp"
 #include "idem/sim/provider.hpp"
 #include "idem/sqlite_store.hpp"
@@ -133,6 +134,7 @@ struct PaymentsApi::Impl {
   std::shared_ptr<Clock> clock;
   std::shared_ptr<sim::Provider> provider;
   std::unique_ptr<sim::MailSender> mail;
+  std::shared_ptr<ReplayCache> replay_cache;  // ApiOptions::replay_cache_bytes; else null
   std::unique_ptr<Coordinator> idem;
   std::unique_ptr<http::Layer> layer;
   http::AsyncHandler create_handler;
@@ -163,10 +165,14 @@ struct PaymentsApi::Impl {
     idem_options.on_store_failure =
         options.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
     idem_options.clock = clock;
-    idem = std::make_unique<Coordinator>(
-        std::make_shared<SqliteStore>(options.db,
-                                      SqliteOptions{.busy_timeout = options.store_busy_timeout}),
-        std::move(idem_options));
+    std::shared_ptr<Store> store = std::make_shared<SqliteStore>(
+        options.db, SqliteOptions{.busy_timeout = options.store_busy_timeout});
+    if (options.replay_cache_bytes > 0) {
+      replay_cache = std::make_shared<ReplayCache>(
+          store, ReplayCacheOptions{.max_bytes = options.replay_cache_bytes, .clock = clock});
+      store = replay_cache;
+    }
+    idem = std::make_unique<Coordinator>(std::move(store), std::move(idem_options));
     http::LayerOptions layer_options;
     layer_options.methods = {bh::verb::post};
     layer_options.in_flight = options.policy;
@@ -376,7 +382,9 @@ net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
                                     : "served only to requests bearing the operator key");
       }
       if (path == "/metrics") {
-        co_return body_reply(200, d.idem->metrics().to_prometheus(), "text/plain; version=0.0.4");
+        std::string text = d.idem->metrics().to_prometheus();
+        if (d.replay_cache) text += d.replay_cache->to_prometheus();
+        co_return body_reply(200, std::move(text), "text/plain; version=0.0.4");
       }
       if (path == "/v1/mail") co_return d.mails();
       co_return co_await d.charges(target);

@@ -43,6 +43,9 @@ struct ApiOptions {
   bool maintenance_loop = true;
   // Every time of the API (keys, provider, mail, maintenance). Default: the system clock.
   std::shared_ptr<Clock> clock{};
+  // Completed records held in memory in front of the store (idem::ReplayCache), in bytes;
+  // 0: none. Its counters join /metrics.
+  std::size_t replay_cache_bytes = 0;
 };
 
 // Reads "api_key tenant" lines ('#' starts a comment). Throws std::runtime_error naming the

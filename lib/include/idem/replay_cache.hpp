@@ -1,0 +1,71 @@
+// idem — completed records held in process memory, in front of any store.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "idem/clock.hpp"
+#include "idem/store_wrapper.hpp"
+
+namespace idem {
+
+struct ReplayCacheOptions {
+  // The most bytes the cached records may take (keys, fingerprint, status, headers, body and
+  // a fixed allowance per entry); the least recently used go first. Default: 64 MiB.
+  std::size_t max_bytes = std::size_t{64} << 20;
+  // The clock the Coordinator uses (its Options::clock): a record is served only before its
+  // expires_at on it. Default (null): a SystemClock, the Coordinator's default.
+  std::shared_ptr<Clock> clock{};
+};
+
+// A Store decorator that answers a replay, or a key-reuse check, of a hot key from memory:
+// a completed record never changes until it expires (no write of the Store contract touches
+// a live completed record), so once read or found it is kept and served until its
+// expires_at, with no database round trip: load(), and reserve() and store_if_absent() (one
+// by one or through apply()) that meet it, return it as the store would. Everything else,
+// and every write, goes to the wrapped store. An in-progress or released record is never
+// cached, and nothing is served at or after its expires_at.
+//
+// Off unless you wrap your store in it:
+//   auto store = std::make_shared<idem::ReplayCache>(std::make_shared<idem::PgStore>(...),
+//                                                   idem::ReplayCacheOptions{.clock = clock});
+// What it cannot see: a record deleted or changed behind idem's back (by hand, or by a
+// migration) stays served from this process's memory until it expires or is evicted.
+//
+// Thread-safety: safe for concurrent use (one lock around the entries; the wrapped store is
+// called without it).
+class ReplayCache final : public StoreWrapper {
+ public:
+  // Throws idem::error(errc::invalid_argument) if `target` is null or max_bytes is 0.
+  ReplayCache(std::shared_ptr<Store> target, ReplayCacheOptions options = {});
+  ~ReplayCache() override;
+
+  Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                      TimePoint lease_until) override;
+  std::optional<Record> load(const KeyId& id) override;
+  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                        const StoredResponse& response, TimePoint now,
+                                        TimePoint expires_at) override;
+  void apply(std::span<StoreOp* const> ops) override;
+
+  struct Stats {
+    std::uint64_t hits = 0;       // answered from memory
+    std::uint64_t misses = 0;     // looked up and not there (or no longer live)
+    std::uint64_t evictions = 0;  // dropped to stay within max_bytes
+    std::uint64_t expired = 0;    // dropped at their expires_at
+    std::size_t entries = 0;
+    std::size_t bytes = 0;
+  };
+  Stats stats() const;
+  // The counters in Prometheus' text format (idem_replay_cache_*), to append to
+  // MetricsSnapshot::to_prometheus().
+  std::string to_prometheus() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace idem

@@ -1,0 +1,200 @@
+#include "idem/replay_cache.hpp"
+
+#include <fmt/format.h>
+
+#include <list>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "idem/errors.hpp"
+
+namespace idem {
+namespace {
+
+Reservation found(Record r) {
+  Reservation out;
+  out.kind = Reservation::Kind::existing;
+  out.existing = std::move(r);
+  return out;
+}
+
+// The fixed allowance per entry: the list node, the index's node and the Record's own fields.
+constexpr std::size_t kEntryOverhead = 256;
+
+std::string key_of(const KeyId& id) {
+  // Tenant, operation and key are printable ASCII (SPEC §1): a NUL cannot occur in them.
+  std::string k;
+  k.reserve(id.tenant.size() + id.operation.size() + id.key.size() + 2);
+  k.append(id.tenant).push_back('\0');
+  k.append(id.operation).push_back('\0');
+  k.append(id.key);
+  return k;
+}
+
+std::size_t bytes_of(const std::string& key, const Record& r) {
+  std::size_t n = kEntryOverhead + key.size() + r.response.body.size() + r.body_ref.size();
+  for (const Header& h : r.response.headers) n += h.name.size() + h.value.size() + 64;
+  if (r.recovery_point) n += r.recovery_point->size();
+  return n;
+}
+
+}  // namespace
+
+struct ReplayCache::Impl {
+  ReplayCacheOptions options;
+  struct Entry {
+    std::string key;
+    Record record;
+    std::size_t bytes;
+  };
+  mutable std::mutex mutex;
+  std::list<Entry> lru;  // guarded by mutex: the most recently used first
+  std::unordered_map<std::string, std::list<Entry>::iterator> index;  // guarded by mutex
+  Stats stats;                                                        // guarded by mutex
+
+  void erase(std::list<Entry>::iterator it) {
+    stats.bytes -= it->bytes;
+    index.erase(it->key);
+    lru.erase(it);
+  }
+
+  // The live completed record of `id` at `now`, if held.
+  std::optional<Record> lookup(const KeyId& id, TimePoint now) {
+    const std::string key = key_of(id);
+    std::lock_guard lock(mutex);
+    const auto found = index.find(key);
+    if (found == index.end()) {
+      ++stats.misses;
+      return std::nullopt;
+    }
+    const auto it = found->second;
+    if (!it->record.live_at(now)) {
+      erase(it);
+      ++stats.expired;
+      ++stats.misses;
+      return std::nullopt;
+    }
+    lru.splice(lru.begin(), lru, it);
+    ++stats.hits;
+    return it->record;
+  }
+
+  // Keeps `r` if it is a completed record live at `now`.
+  void remember(const KeyId& id, const Record& r, TimePoint now) {
+    if (r.state != State::completed || !r.live_at(now)) return;
+    std::string key = key_of(id);
+    const std::size_t bytes = bytes_of(key, r);
+    if (bytes > options.max_bytes) return;
+    std::lock_guard lock(mutex);
+    if (const auto found = index.find(key); found != index.end()) erase(found->second);
+    lru.push_front(Entry{key, r, bytes});
+    index.emplace(std::move(key), lru.begin());
+    stats.bytes += bytes;
+    while (stats.bytes > options.max_bytes) {
+      erase(std::prev(lru.end()));
+      ++stats.evictions;
+    }
+  }
+
+  // What a reserve or store_if_absent op found, kept if it is a completed record.
+  void remember_found(const StoreOp& op) {
+    if (op.error || op.reservation.kind != Reservation::Kind::existing || !op.reservation.existing)
+      return;
+    remember(*op.id, *op.reservation.existing, op.now);
+  }
+};
+
+ReplayCache::ReplayCache(std::shared_ptr<Store> target, ReplayCacheOptions options)
+    : StoreWrapper(std::move(target)), impl_(std::make_unique<Impl>()) {
+  if (options.max_bytes == 0) {
+    throw error(errc::invalid_argument, "idem: ReplayCacheOptions::max_bytes must be positive");
+  }
+  if (!options.clock) options.clock = std::make_shared<SystemClock>();
+  impl_->options = std::move(options);
+}
+
+ReplayCache::~ReplayCache() = default;
+
+Reservation ReplayCache::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                                 TimePoint lease_until) {
+  if (std::optional<Record> held = impl_->lookup(id, now)) {
+    return found(std::move(*held));
+  }
+  Reservation r = StoreWrapper::reserve(id, fingerprint, now, lease_until);
+  if (r.kind == Reservation::Kind::existing && r.existing) impl_->remember(id, *r.existing, now);
+  return r;
+}
+
+std::optional<Record> ReplayCache::load(const KeyId& id) {
+  const TimePoint now = impl_->options.clock->now();
+  if (std::optional<Record> held = impl_->lookup(id, now)) return held;
+  std::optional<Record> r = StoreWrapper::load(id);
+  if (r) impl_->remember(id, *r, now);
+  return r;
+}
+
+std::optional<Record> ReplayCache::store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                                   const StoredResponse& response, TimePoint now,
+                                                   TimePoint expires_at) {
+  if (std::optional<Record> held = impl_->lookup(id, now)) return held;
+  std::optional<Record> winner =
+      StoreWrapper::store_if_absent(id, fingerprint, response, now, expires_at);
+  if (winner) impl_->remember(id, *winner, now);
+  return winner;
+}
+
+void ReplayCache::apply(std::span<StoreOp* const> ops) {
+  std::vector<StoreOp*> rest;
+  rest.reserve(ops.size());
+  for (StoreOp* op : ops) {
+    const bool looks =
+        op->kind == StoreOp::Kind::reserve || op->kind == StoreOp::Kind::store_if_absent;
+    if (looks) {
+      if (std::optional<Record> held = impl_->lookup(*op->id, op->now)) {
+        op->reservation = found(std::move(*held));
+        continue;
+      }
+    }
+    rest.push_back(op);
+  }
+  if (rest.empty()) return;
+  StoreWrapper::apply(rest);
+  for (const StoreOp* op : rest) {
+    if (op->kind == StoreOp::Kind::reserve || op->kind == StoreOp::Kind::store_if_absent)
+      impl_->remember_found(*op);
+  }
+}
+
+ReplayCache::Stats ReplayCache::stats() const {
+  std::lock_guard lock(impl_->mutex);
+  Stats s = impl_->stats;
+  s.entries = impl_->lru.size();
+  return s;
+}
+
+std::string ReplayCache::to_prometheus() const {
+  const Stats s = stats();
+  std::string out;
+  const auto counter = [&](std::string_view name, std::uint64_t v, std::string_view help) {
+    out += fmt::format(
+        "# HELP idem_replay_cache_{0}_total {2}\n# TYPE idem_replay_cache_{0}_total counter\n"
+        "idem_replay_cache_{0}_total {1}\n",
+        name, v, help);
+  };
+  const auto gauge = [&](std::string_view name, std::size_t v, std::string_view help) {
+    out += fmt::format(
+        "# HELP idem_replay_cache_{0} {2}\n# TYPE idem_replay_cache_{0} gauge\n"
+        "idem_replay_cache_{0} {1}\n",
+        name, v, help);
+  };
+  counter("hits", s.hits, "Lookups answered from memory.");
+  counter("misses", s.misses, "Lookups that went to the store.");
+  counter("evictions", s.evictions, "Records dropped to stay within max_bytes.");
+  counter("expired", s.expired, "Records dropped at their expiry.");
+  gauge("entries", s.entries, "Completed records held.");
+  gauge("bytes", s.bytes, "Bytes the held records count for.");
+  return out;
+}
+
+}  // namespace idem
