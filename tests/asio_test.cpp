@@ -203,7 +203,7 @@ TEST_CASE(
   }
   idem::sim::run(warm, *w.clock);
   const std::size_t charges_before = w.provider->charge_count();
-  const auto stats_before = w.store->commit_stats();
+  const auto stats_before = w.sqlite->commit_stats();
 
   net::io_context io;
   std::vector<Reply> replays(30), firsts(30), seconds(30);
@@ -223,7 +223,7 @@ TEST_CASE(
     CHECK(seconds[u].text == firsts[u].text);
   }
   CHECK(w.provider->charge_count() - charges_before == 30);  // once per new key
-  const auto stats = w.store->commit_stats();
+  const auto stats = w.sqlite->commit_stats();
   const auto transactions = stats.transactions - stats_before.transactions;
   const auto ops = stats.ops - stats_before.ops;
   CHECK(ops >= 60);  // 30 reservations that won, 30 completions, and the losers' tries

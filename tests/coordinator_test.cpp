@@ -121,8 +121,7 @@ TEST_CASE("coordinator: one key under two operations makes two independent recor
   w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action());
   w.idem->call(request("k1", 4990, "alpha", "order.cancel"), w.charge_action());
   CHECK(w.charges() == 2);
-  idem::test::RawDb raw(w.db_path);
-  CHECK(raw.rows() == 2);
+  CHECK(w.rows() == 2);
 }
 
 TEST_CASE("coordinator: bad keys are rejected before the store is touched") {
@@ -146,8 +145,7 @@ TEST_CASE("coordinator: bad keys are rejected before the store is touched") {
                                     }),
                        "idempotency tenant is empty", idem::InvalidKeyError);
   CHECK(ran == 0);
-  idem::test::RawDb raw(w.db_path);
-  CHECK(raw.rows() == 0);
+  CHECK(w.rows() == 0);
 }
 
 TEST_CASE("coordinator: a missing key is rejected, or run unprotected and counted") {
@@ -165,8 +163,7 @@ TEST_CASE("coordinator: a missing key is rejected, or run unprotected and counte
     CHECK(w.idem->call(no_key, w.charge_action()).source == Outcome::Source::unprotected);
     CHECK(w.charges() == 2);  // unprotected really means unprotected
     CHECK(w.idem->metrics().ran_unprotected == 2);
-    idem::test::RawDb raw(w.db_path);
-    CHECK(raw.rows() == 0);
+    CHECK(w.rows() == 0);
   }
 }
 
@@ -235,8 +232,7 @@ TEST_CASE("coordinator: purge deletes expired records in bounded batches and cou
   CHECK(recording->purges ==
         std::vector<std::pair<std::size_t, std::size_t>>{{3, 3}, {3, 3}, {3, 1}});
   CHECK(idem.metrics().purged == 7);
-  idem::test::RawDb raw(w.db_path);
-  CHECK(raw.rows() == 0);
+  CHECK(w.rows() == 0);
   CHECK_THROWS_AS(idem.purge_expired(0), idem::error);
   CHECK_THROWS_AS(idem.reap(0), idem::error);
 }
@@ -356,7 +352,9 @@ TEST_CASE("coordinator: heartbeats keep a slow honest action from being taken ov
   }
 }
 
-TEST_CASE("coordinator: a locked database (past busy_timeout) fails open or closed as configured") {
+TEST_CASE(
+    "coordinator (sqlite): a locked database (past busy_timeout) fails open or closed as "
+    "configured") {
   for (idem::FailureMode mode : {idem::FailureMode::fail_open, idem::FailureMode::fail_closed}) {
     World w({.on_store_failure = mode}, kInstant, idem::SqliteOptions{.busy_timeout = 20ms});
     idem::test::RawDb locker(w.db_path);

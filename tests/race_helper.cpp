@@ -3,21 +3,24 @@
 // and prints one JSON line: {"outcome": "executed"|"replayed"|"in_progress"|..., "charge_id": ...,
 // "waited": true|false}.
 //
-//   idem_race_helper DB LEDGER KEY START_FD LATENCY_MS
+//   idem_race_helper STORE LEDGER KEY START_FD LATENCY_MS
+// STORE is a SQLite file, or postgresql:SCHEMA for a schema on the server IDEM_TEST_PG names.
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "idem/coordinator.hpp"
+#include "idem/pg_store.hpp"
 #include "idem/sim/provider.hpp"
 #include "idem/sqlite_store.hpp"
 
 int main(int argc, char** argv) {
   if (argc != 6) {
-    std::cerr << "usage: idem_race_helper DB LEDGER KEY START_FD LATENCY_MS\n";
+    std::cerr << "usage: idem_race_helper STORE LEDGER KEY START_FD LATENCY_MS\n";
     return 2;
   }
   auto clock = std::make_shared<idem::SystemClock>();
@@ -25,8 +28,21 @@ int main(int argc, char** argv) {
   idem::sim::Provider provider(clock, {.latency = std::chrono::milliseconds(std::stoi(argv[5])),
                                        .dedup = false,
                                        .ledger_path = argv[2]});
+  const std::string store = argv[1];
+  std::shared_ptr<idem::Store> keys;
+  if (store.starts_with("postgresql:")) {
+    const char* conninfo = std::getenv("IDEM_TEST_PG");
+    if (conninfo == nullptr) {
+      std::cerr << "idem_race_helper: IDEM_TEST_PG is not set\n";
+      return 2;
+    }
+    keys = std::make_shared<idem::PgStore>(
+        conninfo, idem::PgOptions{.schema = store.substr(std::string("postgresql:").size())});
+  } else {
+    keys = std::make_shared<idem::SqliteStore>(store);
+  }
   idem::Coordinator idem(
-      std::make_shared<idem::SqliteStore>(argv[1]),
+      std::move(keys),
       {.in_flight = idem::InFlight::wait, .max_wait = std::chrono::seconds(20), .clock = clock});
   idem::Request req;
   req.tenant = "alpha";

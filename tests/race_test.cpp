@@ -22,6 +22,7 @@
 
 #include "idem/asio.hpp"
 #include "idem/sim/async_provider.hpp"
+#include "store_engines.hpp"
 #include "test_support.hpp"
 
 extern char** environ;
@@ -119,19 +120,22 @@ TEST_CASE("race: 16 threads on the blocking API, one key, 100 rounds") {
   CHECK(waited > 0);
 }
 
-TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
+// `processes` processes race on one key a round for `rounds` rounds, each through its own
+// Coordinator on `store` (a SQLite file, or "postgresql:SCHEMA" for IDEM_TEST_PG's server).
+// Every round must charge once and answer every process with that charge; returns how many
+// processes found the key held by another (the proof that they overlapped).
+int process_race(const std::string& store, int rounds, int processes) {
   idem::test::TempDir dir;
-  int waited = 0;  // processes that found the key held by another: proof that they overlapped
+  int waited = 0;
   const std::string helper = IDEM_RACE_HELPER;
-  for (int round = 0; round < 25; ++round) {
-    const std::string db = dir.file("keys.db");  // shared by every round: a new key each time
+  for (int round = 0; round < rounds; ++round) {
     const std::string ledger = dir.file(fmt::format("ledger-{}.db", round));
-    const std::string key = fmt::format("round-{}", round);
+    const std::string key = fmt::format("round-{}", round);  // the store is shared by every round
     int gate[2];
     REQUIRE(pipe(gate) == 0);
     std::vector<pid_t> pids;
     std::vector<std::string> outputs;
-    for (int p = 0; p < 8; ++p) {
+    for (int p = 0; p < processes; ++p) {
       outputs.push_back(dir.file(fmt::format("out-{}-{}.json", round, p)));
       posix_spawn_file_actions_t actions;
       posix_spawn_file_actions_init(&actions);
@@ -139,7 +143,7 @@ TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
                                        O_WRONLY | O_CREAT | O_TRUNC, 0644);
       posix_spawn_file_actions_addclose(&actions, gate[1]);
       const std::string fd = std::to_string(gate[0]);
-      std::vector<std::string> args = {helper, db, ledger, key, fd, "20"};
+      std::vector<std::string> args = {helper, store, ledger, key, fd, "20"};
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -150,7 +154,8 @@ TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
     }
     close(gate[0]);
     // Open the gate: one byte for each process, all at once.
-    REQUIRE(write(gate[1], "GGGGGGGG", 8) == 8);
+    const std::string bytes(static_cast<std::size_t>(processes), 'G');
+    REQUIRE(write(gate[1], bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()));
     close(gate[1]);
     for (pid_t pid : pids) {
       int status = 0;
@@ -173,5 +178,16 @@ TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
     idem::sim::Provider statement(clock, {.ledger_path = ledger});
     REQUIRE(statement.charge_count() == 1);
   }
-  CHECK(waited > 0);
+  return waited;
+}
+
+TEST_CASE("race: 8 processes on one database file, one key, 25 rounds") {
+  idem::test::TempDir dir;
+  CHECK(process_race(dir.file("keys.db"), 25, 8) > 0);
+}
+
+TEST_CASE("race: 8 processes (nodes) on one PostgreSQL database, one key, 25 rounds") {
+  idem::test::PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  CHECK(process_race("postgresql:" + e.schema, 25, 8) > 0);
 }

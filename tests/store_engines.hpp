@@ -43,7 +43,7 @@ struct PgEngine {
 
   std::string conninfo = env("IDEM_TEST_PG");
   // Unique across the processes ctest runs at once and the fixtures of one process.
-  std::string schema = fmt::format("t_{}_{}", getpid(), next_schema++);
+  std::string schema = fresh_pg_schema();
 
   bool available() const { return !conninfo.empty(); }
   // The caller's clock: the tests pass simulated times. A second call opens a second store
@@ -66,7 +66,6 @@ struct PgEngine {
     const char* v = std::getenv(var);
     return v == nullptr ? std::string() : std::string(v);
   }
-  static inline std::atomic<unsigned> next_schema{0};
 };
 
 // Whether a test can run on `engine`. An engine without its server skips the test with a

@@ -1,9 +1,14 @@
 // Shared helpers for idem's tests: temporary databases, a simulated world, raw SQLite.
 #pragma once
 
+#include <fmt/format.h>
+#include <libpq-fe.h>
 #include <sqlite3.h>
 #include <stdlib.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -12,6 +17,7 @@
 #include <vector>
 
 #include "idem/coordinator.hpp"
+#include "idem/pg_store.hpp"
 #include "idem/sim/faulty_store.hpp"
 #include "idem/sim/provider.hpp"
 #include "idem/sim/simulated_clock.hpp"
@@ -86,12 +92,29 @@ class RawDb {
   sqlite3* db_ = nullptr;
 };
 
-// One simulated world: a clock, a store on a temp file, a provider and a coordinator.
+// A PostgreSQL schema name no other test of any process uses (the cluster is thrown away).
+inline std::string fresh_pg_schema() {
+  static std::atomic<unsigned> next{0};
+  return fmt::format("t_{}_{}", getpid(), next++);
+}
+
+// Whether this test process runs its Worlds on PostgreSQL: ctest registers the coordinator's
+// tests a second time with IDEM_TEST_ENGINE=postgresql (tests/CMakeLists.txt).
+inline bool worlds_on_postgresql() {
+  const char* engine = std::getenv("IDEM_TEST_ENGINE");
+  return engine != nullptr && std::string(engine) == "postgresql";
+}
+
+// One simulated world: a clock, a store, a provider and a coordinator. The store is a
+// SQLite file in a temporary directory, or, when worlds_on_postgresql(), a fresh schema on
+// the server IDEM_TEST_PG names (the caller's clock: the world's simulated one).
 struct World {
   TempDir dir;
   std::shared_ptr<sim::SimulatedClock> clock = std::make_shared<sim::SimulatedClock>();
-  std::string db_path = dir.file("keys.db");
-  std::shared_ptr<SqliteStore> store;
+  std::string db_path = dir.file("keys.db");  // SQLite only
+  std::string pg_schema;                      // PostgreSQL only
+  std::shared_ptr<SqliteStore> sqlite;        // null on PostgreSQL
+  std::shared_ptr<Store> store;
   std::shared_ptr<sim::Provider> provider;
   std::unique_ptr<Coordinator> idem;
 
@@ -99,7 +122,14 @@ struct World {
 
   explicit World(Options options = {}, sim::ProviderOptions provider_options = {},
                  SqliteOptions store_options = {}) {
-    store = std::make_shared<SqliteStore>(db_path, store_options);
+    if (worlds_on_postgresql()) {
+      pg_schema = fresh_pg_schema();
+      store = std::make_shared<PgStore>(pg_conninfo(),
+                                        PgOptions{.schema = pg_schema, .clock = PgClock::caller});
+    } else {
+      sqlite = std::make_shared<SqliteStore>(db_path, store_options);
+      store = sqlite;
+    }
     faulty = std::make_shared<sim::FaultyStore>(store);
     provider = std::make_shared<sim::Provider>(clock, std::move(provider_options));
     options.clock = clock;
@@ -123,6 +153,24 @@ struct World {
   }
 
   std::size_t charges() const { return provider->charge_count(); }
+
+  // How many records the store holds, live or not, asked of the database itself.
+  long long rows() const {
+    if (!worlds_on_postgresql()) return RawDb(db_path).rows();
+    PGconn* c = PQconnectdb(pg_conninfo().c_str());
+    PGresult* r = PQexec(c, fmt::format("SELECT count(*) FROM {}.idem_keys", pg_schema).c_str());
+    const long long n = PQresultStatus(r) == PGRES_TUPLES_OK ? std::atoll(PQgetvalue(r, 0, 0)) : -1;
+    PQclear(r);
+    PQfinish(c);
+    return n;
+  }
+
+  static std::string pg_conninfo() {
+    const char* conninfo = std::getenv("IDEM_TEST_PG");
+    if (conninfo == nullptr)
+      throw std::runtime_error("IDEM_TEST_ENGINE=postgresql needs IDEM_TEST_PG");
+    return conninfo;
+  }
 
   TimePoint t(long long ms) const { return sim::kSimulationStart + std::chrono::milliseconds(ms); }
   long long elapsed_ms() const { return (clock->now() - sim::kSimulationStart).count(); }

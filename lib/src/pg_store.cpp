@@ -701,10 +701,10 @@ namespace {
 // type, so any column type comes back readable.
 class PgLocal final : public LocalTransaction {
  public:
-  PgLocal(PGconn* conn, const std::string& outbox_insert, const KeyId& id, std::int64_t origin,
+  PgLocal(PGconn* conn, std::string outbox_insert, const KeyId& id, std::int64_t origin,
           std::string_view step, std::int64_t now_db)
       : conn_(conn),
-        outbox_insert_(outbox_insert),
+        outbox_insert_(std::move(outbox_insert)),
         id_(id),
         origin_(origin),
         step_(step),
@@ -782,7 +782,7 @@ class PgLocal final : public LocalTransaction {
   }
 
   PGconn* conn_;
-  const std::string& outbox_insert_;
+  std::string outbox_insert_;  // the prepared statement's name
   const KeyId& id_;
   std::int64_t origin_;
   std::string_view step_;
