@@ -791,14 +791,6 @@ class PgLocal final : public LocalTransaction {
   std::int64_t changes_ = 0;
 };
 
-// Runs one op through apply() and rethrows its error, for the single-op entry points.
-StoreOp& apply_one(PgStore& store, StoreOp&& op) {
-  StoreOp* one = &op;
-  store.apply(std::span<StoreOp* const>(&one, 1));
-  if (op.error) std::rethrow_exception(op.error);
-  return op;
-}
-
 }  // namespace
 
 PgStore::PgStore(const std::string& conninfo, PgOptions options)
@@ -861,44 +853,6 @@ void PgStore::apply(std::span<StoreOp* const> ops) {
       for (StoreOp* op : part) d.apply_single(*op);
     }
   }
-}
-
-Reservation PgStore::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                             TimePoint lease_until) {
-  return std::move(apply_one(*this, StoreOp{.kind = StoreOp::Kind::reserve,
-                                            .id = &id,
-                                            .fingerprint = &fingerprint,
-                                            .now = now,
-                                            .lease_until = lease_until})
-                       .reservation);
-}
-
-bool PgStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
-                       TimePoint expires_at) {
-  return apply_one(*this, StoreOp{.kind = StoreOp::Kind::complete,
-                                  .id = &id,
-                                  .expires_at = expires_at,
-                                  .token = token,
-                                  .response = &response})
-      .applied;
-}
-
-bool PgStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
-  return apply_one(*this,
-                   StoreOp{.kind = StoreOp::Kind::release, .id = &id, .now = now, .token = token})
-      .applied;
-}
-
-std::optional<Record> PgStore::store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
-                                               const StoredResponse& response, TimePoint now,
-                                               TimePoint expires_at) {
-  return std::move(apply_one(*this, StoreOp{.kind = StoreOp::Kind::store_if_absent,
-                                            .id = &id,
-                                            .fingerprint = &fingerprint,
-                                            .now = now,
-                                            .expires_at = expires_at,
-                                            .response = &response})
-                       .reservation.existing);
 }
 
 bool PgStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {

@@ -58,4 +58,54 @@ void Store::outbox_failed(const std::string&, TimePoint, bool, const std::string
 OutboxCounts Store::outbox_counts() { no_steps(); }
 std::size_t Store::purge_outbox(TimePoint, std::size_t) { no_steps(); }
 
+namespace {
+
+// Runs one op through apply() and rethrows its error.
+StoreOp& apply_one(Store& store, StoreOp&& op) {
+  StoreOp* one = &op;
+  store.apply(std::span<StoreOp* const>(&one, 1));
+  if (op.error) std::rethrow_exception(op.error);
+  return op;
+}
+
+}  // namespace
+
+Reservation BatchedStore::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                                  TimePoint lease_until) {
+  return std::move(apply_one(*this, StoreOp{.kind = StoreOp::Kind::reserve,
+                                            .id = &id,
+                                            .fingerprint = &fingerprint,
+                                            .now = now,
+                                            .lease_until = lease_until})
+                       .reservation);
+}
+
+bool BatchedStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                            TimePoint expires_at) {
+  return apply_one(*this, StoreOp{.kind = StoreOp::Kind::complete,
+                                  .id = &id,
+                                  .expires_at = expires_at,
+                                  .token = token,
+                                  .response = &response})
+      .applied;
+}
+
+bool BatchedStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
+  return apply_one(*this,
+                   StoreOp{.kind = StoreOp::Kind::release, .id = &id, .now = now, .token = token})
+      .applied;
+}
+
+std::optional<Record> BatchedStore::store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                                    const StoredResponse& response, TimePoint now,
+                                                    TimePoint expires_at) {
+  return std::move(apply_one(*this, StoreOp{.kind = StoreOp::Kind::store_if_absent,
+                                            .id = &id,
+                                            .fingerprint = &fingerprint,
+                                            .now = now,
+                                            .expires_at = expires_at,
+                                            .response = &response})
+                       .reservation.existing);
+}
+
 }  // namespace idem

@@ -54,7 +54,7 @@ struct SqliteOptions {
 // at once.
 //
 // Thread-safety: safe for concurrent use.
-class SqliteStore final : public Store {
+class SqliteStore final : public BatchedStore {
  public:
   // Opens (creating if needed) `path`, sets WAL, busy handling and synchronous, migrates
   // the schema and prepares every statement. ":memory:" gives a private in-memory store.
@@ -68,17 +68,9 @@ class SqliteStore final : public Store {
   // The schema version this library writes.
   static int schema_version() noexcept;
 
-  Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                      TimePoint lease_until) override;
-  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
-                TimePoint expires_at) override;
-  bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
   bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
   bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
   std::optional<Record> load(const KeyId& id) override;
-  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
-                                        const StoredResponse& response, TimePoint now,
-                                        TimePoint expires_at) override;
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,

@@ -288,4 +288,20 @@ class Store {
   virtual std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) = 0;
 };
 
+// A Store whose four single writes (reserve, complete, release, store_if_absent) are each its
+// apply() of one op, so an engine writes its statements once, in apply() (SqliteStore and
+// PgStore do). Their errors are the op's, rethrown.
+class BatchedStore : public Store {
+ public:
+  Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
+                      TimePoint lease_until) final;
+  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
+                TimePoint expires_at) final;
+  bool release(const KeyId& id, std::int64_t token, TimePoint now) final;
+  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
+                                        const StoredResponse& response, TimePoint now,
+                                        TimePoint expires_at) final;
+  void apply(std::span<StoreOp* const> ops) override = 0;
+};
+
 }  // namespace idem
