@@ -935,9 +935,7 @@ bool PgStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t ori
     Impl::Transaction t(d);
     std::optional<ProgressRow> row = d.load_progress(id);
     if (!row || row->token != token || row->state != State::in_progress) return false;
-    Progress p = row->progress.value_or(Progress{});
-    if (!row->progress) p.origin = origin;
-    p.pending = step;
+    const Progress p = detail::with_pending(std::move(row->progress), origin, step);
     if (!d.write_progress(id, token, p, nullptr)) return false;
     t.commit();
     return true;
@@ -951,19 +949,13 @@ bool PgStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t orig
     Impl::Transaction t(d);
     std::optional<ProgressRow> row = d.load_progress(id);
     if (!row || row->token != token || row->state != State::in_progress)
-      return false;        // a zombie: nothing of its step runs
-    if (!row->progress) {  // the operation's first recorded step
-      row->progress.emplace();
-      row->progress->origin = origin;
-    }
+      return false;  // a zombie: nothing of its step runs
     if (step.local) {
       PgLocal local(d.conn, statement_name(kOutboxInsert), id, origin, step.result.step,
                     d.shift().to_db(step.now));
       step.local(local);
     }
-    Progress& p = *row->progress;
-    p.steps.push_back(step.result);
-    if (p.pending == step.result.step) p.pending.reset();
+    const Progress p = detail::with_step(std::move(row->progress), origin, step.result);
     if (!d.write_progress(id, token, p, &step.result.step))
       throw StoreError("postgresql: commit_step: record changed inside its transaction", 0);
     t.commit();
@@ -1053,18 +1045,8 @@ OutboxCounts PgStore::outbox_counts() {
     Result r = d.run(kOutboxCounts, none);
     OutboxCounts c;
     for (int row = 0; row < PQntuples(r.get()); ++row) {
-      const auto n = static_cast<std::size_t>(int_at(r.get(), row, 1));
-      switch (int_at(r.get(), row, 0)) {
-        case 0:
-          c.pending = n;
-          break;
-        case 1:
-          c.delivered = n;
-          break;
-        default:
-          c.parked = n;
-          break;
-      }
+      detail::add_outbox_count(c, int_at(r.get(), row, 0),
+                               static_cast<std::size_t>(int_at(r.get(), row, 1)));
     }
     return c;
   });

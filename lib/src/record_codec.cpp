@@ -70,4 +70,44 @@ Progress progress_from_json(std::string_view text) {
   return p;
 }
 
+namespace {
+
+// The recorded progress, or a fresh one starting at `origin`.
+Progress started(std::optional<Progress> recorded, std::int64_t origin) {
+  if (recorded) return std::move(*recorded);
+  Progress fresh;
+  fresh.origin = origin;
+  return fresh;
+}
+
+}  // namespace
+
+Progress with_pending(std::optional<Progress> recorded, std::int64_t origin,
+                      const std::string& step) {
+  Progress p = started(std::move(recorded), origin);
+  p.pending = step;
+  return p;
+}
+
+Progress with_step(std::optional<Progress> recorded, std::int64_t origin, const StepResult& step) {
+  Progress p = started(std::move(recorded), origin);
+  p.steps.push_back(step);
+  if (p.pending == step.step) p.pending.reset();
+  return p;
+}
+
+void add_outbox_count(OutboxCounts& counts, std::int64_t state, std::size_t n) {
+  switch (state) {
+    case 0:
+      counts.pending = n;
+      break;
+    case 1:
+      counts.delivered = n;
+      break;
+    default:
+      counts.parked = n;
+      break;
+  }
+}
+
 }  // namespace idem::detail

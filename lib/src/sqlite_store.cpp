@@ -583,9 +583,7 @@ bool SqliteStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t
     sqlite::Transaction t(d.tx);
     std::optional<ProgressRow> row = read_progress(d.load_progress, id);
     if (!row || row->token != token || row->state != State::in_progress) return false;
-    Progress p = row->progress.value_or(Progress{});
-    if (!row->progress) p.origin = origin;
-    p.pending = step;
+    const Progress p = detail::with_pending(std::move(row->progress), origin, step);
     if (!write_progress(d.set_progress, id, token, p, nullptr)) return false;
     t.commit();
     return true;
@@ -599,19 +597,13 @@ bool SqliteStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t 
     sqlite::Transaction t(d.tx);
     std::optional<ProgressRow> row = read_progress(d.load_progress, id);
     if (!row || row->token != token || row->state != State::in_progress)
-      return false;        // a zombie: nothing of its step runs
-    if (!row->progress) {  // the operation's first recorded step
-      row->progress.emplace();
-      row->progress->origin = origin;
-    }
+      return false;  // a zombie: nothing of its step runs
     if (step.local) {
       SqliteLocal local(d.db.get(), d.local_statements, d.outbox_insert, id, origin,
                         step.result.step, step.now);
       step.local(local);
     }
-    Progress& p = *row->progress;
-    p.steps.push_back(step.result);
-    if (p.pending == step.result.step) p.pending.reset();
+    const Progress p = detail::with_step(std::move(row->progress), origin, step.result);
     if (!write_progress(d.set_progress, id, token, p, &step.result.step))
       throw StoreError("sqlite: commit_step: record changed inside its transaction", 0);
     t.commit();
@@ -710,18 +702,7 @@ OutboxCounts SqliteStore::outbox_counts() {
   ResetGuard reset(s);
   OutboxCounts c;
   while (s.step()) {
-    const auto n = static_cast<std::size_t>(s.int64(1));
-    switch (s.int64(0)) {
-      case 0:
-        c.pending = n;
-        break;
-      case 1:
-        c.delivered = n;
-        break;
-      default:
-        c.parked = n;
-        break;
-    }
+    detail::add_outbox_count(c, s.int64(0), static_cast<std::size_t>(s.int64(1)));
   }
   return c;
 }
