@@ -214,6 +214,7 @@ TEST_CASE("postgresql: an unreachable server is a StoreError, and a newer schema
   CHECK_THROWS_WITH_AS(idem::PgStore(e.conninfo, idem::PgOptions{.schema = e.schema}),
                        doctest::Contains("newer than this library's"), idem::StoreError);
   CHECK_THROWS_AS(idem::PgStore(e.conninfo, idem::PgOptions{.schema = ""}), idem::error);
+  CHECK_THROWS_AS(idem::PgStore(e.conninfo, idem::PgOptions{.schema = "a$$b"}), idem::error);
 }
 
 TEST_CASE("postgresql race: two nodes, 8 threads, one key a round, 100 rounds: one charge each") {
@@ -281,4 +282,28 @@ TEST_CASE("postgresql: replays of a hot key through the replay cache make no rou
   CHECK_THROWS_AS(idem.call(request("hot", 1), charge), idem::KeyReuseError);
   CHECK(pg->stats().round_trips == round_trips);
   CHECK(charges == 1);
+}
+
+TEST_CASE("postgresql: the store's transactions are READ COMMITTED whatever the role's default") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  // A role whose transactions default to SERIALIZABLE: there a duplicate's reservation would
+  // meet a serialization failure instead of the winner's record.
+  Raw raw(e.conninfo);
+  const std::string role = "strict_" + e.schema;
+  raw.scalar(fmt::format("CREATE ROLE {} LOGIN SUPERUSER", role));
+  raw.scalar(fmt::format("ALTER ROLE {} SET default_transaction_isolation = 'serializable'", role));
+  CHECK(Raw(e.conninfo + " user=" + role).scalar("SHOW transaction_isolation") == "serializable");
+  idem::PgStore store(e.conninfo + " user=" + role,
+                      idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller});
+  const idem::KeyId id{"alpha", "pay", "k"};
+  const Reservation r = store.reserve(id, kFp, T0, T0 + 30s);
+  REQUIRE(store.begin_steps(id, r.token, "{}"));
+  std::string level;
+  const idem::StepCommit look{
+      idem::StepResult{"look", "", false}, T0, [&](idem::LocalTransaction& tx) {
+        level = std::get<std::string>(tx.execute("SHOW transaction_isolation").at(0).at(0));
+      }};
+  REQUIRE(store.commit_step(id, r.token, r.token, look));
+  CHECK(level == "read committed");
 }

@@ -786,3 +786,47 @@ TEST_CASE_TEMPLATE(
   CHECK(s->outbox_delivered(m2, T0 + 101h));
   CHECK(s->outbox_counts().delivered == 1);
 }
+
+TEST_CASE_TEMPLATE("store contract: a local step's changes() counts its last write, never a SELECT",
+                   E, SqliteEngine, PgEngine) {
+  E e;
+  IDEM_ENGINE_OR_SKIP(e);
+  auto s = e.open();
+  const idem::KeyId id{"alpha", "checkout", "counted"};
+  const Reservation r = s->reserve(id, kFp, T0, T0 + 30s);
+  REQUIRE(r.kind == Reservation::Kind::reserved);
+  REQUIRE(s->begin_steps(id, r.token, "{}"));
+  std::int64_t after_insert = -1, after_update = -1, after_select = -1;
+  const std::string t = e.table("app_orders");
+  const StepCommit step{StepResult{"counted", "", false}, T0, [&](LocalTransaction& tx) {
+                          tx.execute(create_orders(e));
+                          tx.execute(insert_order(e), {std::string("o1"), std::int64_t{5}});
+                          after_insert = tx.changes();
+                          tx.execute(
+                              e.sql(fmt::format("UPDATE {} SET amount = 6 WHERE amount > ?1", t),
+                                    fmt::format("UPDATE {} SET amount = 6 WHERE amount > $1", t)),
+                              {std::int64_t{100}});
+                          after_update = tx.changes();
+                          CHECK(tx.execute(fmt::format("SELECT id FROM {}", t)).size() == 1);
+                          after_select = tx.changes();
+                        }};
+  REQUIRE(s->commit_step(id, r.token, r.token, step));
+  CHECK(after_insert == 1);
+  CHECK(after_update == 0);
+  CHECK(after_select == 0);  // still the UPDATE's
+}
+
+TEST_CASE_TEMPLATE(
+    "store contract: a delivery's error that is not UTF-8 is recorded, the message retried", E,
+    SqliteEngine, PgEngine) {
+  E e;
+  IDEM_ENGINE_OR_SKIP(e);
+  auto s = e.open();
+  const std::string message = queue_message(*s, "m1", T0, "hello");
+  REQUIRE(s->claim_outbox(T0, T0 + 1min, 10).size() == 1);
+  s->outbox_failed(message, T0 + 2min, false, "refused: \xff\xfe not text");
+  CHECK(s->outbox_counts().pending == 1);
+  const auto again = s->claim_outbox(T0 + 2min, T0 + 3min, 10);
+  REQUIRE(again.size() == 1);
+  CHECK(again[0].attempts == 1);
+}

@@ -15,9 +15,19 @@ inline constexpr const char* kCommit = "COMMIT";
 inline constexpr const char* kRollback = "ROLLBACK";
 // A format string: the limit in milliseconds.
 inline constexpr std::string_view kStatementTimeout = "SET statement_timeout = {}";
+// idem_reserve and the token-checked writes are written for READ COMMITTED (each statement
+// sees what committed before it); a database or role whose default is stricter would turn
+// a duplicate's reservation into a serialization failure instead of "existing".
+inline constexpr const char* kReadCommitted =
+    "SET default_transaction_isolation = 'read committed'";
 // A format string: a quoted literal naming the schema. Nodes that start together migrate one
 // after another; the lock ends with the transaction.
 inline constexpr std::string_view kMigrationLock = "SELECT pg_advisory_xact_lock(hashtext({}))";
+
+// The command tags (PQcmdStatus) of the statements whose changed rows a local step's
+// changes() reports.
+inline constexpr std::array<std::string_view, 4> kWriteCommandTags = {"INSERT", "UPDATE", "DELETE",
+                                                                      "MERGE"};
 
 // The version table, made before the migrations run (under the advisory lock).
 inline constexpr std::string_view kCreateMeta = R"sql(
@@ -201,12 +211,13 @@ SET state = 2, status = $5::integer, headers = $6::text, body = $7::bytea, body_
 WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND state = 1)sql";
 
 // $4 token $5 now $6 the TTL in ms: as SQLite's kRelease (a record with progress is kept for
-// its retry until the TTL counted from the operation's origin).
+// its retry until the TTL counted from the operation's origin). json, not jsonb: jsonb refuses
+// a \u0000 that a step's name or result may hold.
 inline constexpr std::string_view kRelease = R"sql(
 UPDATE {s}.idem_keys
 SET state = 3, lease_until = $5::bigint,
     expires_at = CASE WHEN progress IS NULL THEN $5::bigint
-                      ELSE greatest($5::bigint, (progress::jsonb ->> 'origin')::bigint + $6::bigint) END
+                      ELSE greatest($5::bigint, (progress::json ->> 'origin')::bigint + $6::bigint) END
 WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND state = 1)sql";
 
 // $4 token $5 lease_until

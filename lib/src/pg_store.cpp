@@ -239,6 +239,14 @@ std::string with_schema(std::string_view text, const std::string& schema) {
 
 void ignore_notice(void*, const char*) {}
 
+// `text` with every byte that is not valid UTF-8 replaced by U+FFFD: a text column takes
+// nothing else, and a delivery's error message may come from anywhere.
+std::string valid_utf8(const std::string& text) {
+  const std::string quoted =
+      nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return nlohmann::json::parse(quoted).get<std::string>();
+}
+
 // The row of kLoadProgress or kBeginSteps: state, token, progress, request.
 struct ProgressRow {
   State state;
@@ -273,8 +281,10 @@ struct PgStore::Impl {
   std::atomic<std::uint64_t> transactions{0}, committed_ops{0}, round_trips{0}, connects{0};
 
   Impl(std::string info, PgOptions o) : conninfo(std::move(info)), options(std::move(o)) {
-    if (options.schema.empty()) {
-      throw error(errc::invalid_argument, "idem: PgOptions::schema must not be empty");
+    if (options.schema.empty() || options.schema.find('$') != std::string::npos) {
+      // '$' could end the $$-quoted function bodies the schema's name is put in.
+      throw error(errc::invalid_argument,
+                  "idem: PgOptions::schema must be a non-empty name without '$'");
     }
     if (!options.local_clock) options.local_clock = std::make_shared<SystemClock>();
     backoff = options.reconnect_min;
@@ -303,7 +313,22 @@ struct PgStore::Impl {
   }
 
   void connect() {
-    PGconn* c = PQconnectdb(conninfo.c_str());
+    // Defaults for what the conninfo leaves unset (it is expanded after them, so its own
+    // values win): without them a server that vanishes without a reset (a failover, a
+    // partition) would hold a call, and every thread queued behind the store's lock, for
+    // as long as the OS's TCP keepalive takes (hours). statement_timeout is the server's
+    // and cannot help then.
+    const std::string user_timeout =
+        std::to_string((options.statement_timeout + std::chrono::seconds(5)).count());
+    const char* keywords[] = {"connect_timeout",
+                              "keepalives_idle",
+                              "keepalives_interval",
+                              "keepalives_count",
+                              "tcp_user_timeout",
+                              "dbname",
+                              nullptr};
+    const char* values[] = {"5", "5", "2", "3", user_timeout.c_str(), conninfo.c_str(), nullptr};
+    PGconn* c = PQconnectdbParams(keywords, values, 1);
     if (c == nullptr || PQstatus(c) != CONNECTION_OK) {
       const std::string why = c != nullptr ? PQerrorMessage(c) : "out of memory";
       if (c != nullptr) PQfinish(c);
@@ -321,6 +346,7 @@ struct PgStore::Impl {
       }
       simple(
           fmt::format(fmt::runtime(pg_sql::kStatementTimeout), options.statement_timeout.count()));
+      simple(pg_sql::kReadCommitted);
       connects.fetch_add(1, std::memory_order_relaxed);
     } catch (...) {
       if (conn != nullptr) PQfinish(conn);
@@ -343,6 +369,7 @@ struct PgStore::Impl {
   // A usable connection, reconnecting (at most once per backoff) if it was lost. Requires
   // `mutex`.
   void ensure() {
+    if (conn != nullptr && PQstatus(conn) == CONNECTION_BAD) drop(PQerrorMessage(conn));
     if (conn != nullptr) {
       if (options.clock == PgClock::database &&
           SteadyClock::now() - measured > options.clock_refresh)
@@ -730,8 +757,14 @@ class PgLocal final : public LocalTransaction {
     if (status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK) {
       throw pg_error("a local step's statement", r.get(), conn_);
     }
-    changes_ = 0;
-    if (const char* n = PQcmdTuples(r.get()); n != nullptr && *n != '\0') changes_ = std::stoll(n);
+    // As sqlite3_changes(): rows the last INSERT, UPDATE or DELETE changed (PQcmdTuples also
+    // counts the rows of a SELECT, which leaves the count as it was).
+    const std::string_view command = PQcmdStatus(r.get());
+    if (std::any_of(pg_sql::kWriteCommandTags.begin(), pg_sql::kWriteCommandTags.end(),
+                    [&](std::string_view tag) { return command.starts_with(tag); })) {
+      const char* n = PQcmdTuples(r.get());
+      changes_ = n != nullptr && *n != '\0' ? std::stoll(n) : 0;
+    }
     std::vector<Row> rows;
     for (int row = 0; row < PQntuples(r.get()); ++row) {
       Row out;
@@ -826,6 +859,12 @@ void PgStore::apply(std::span<StoreOp* const> ops) {
     return std::tie(a->id->tenant, a->id->operation, a->id->key) <
            std::tie(b->id->tenant, b->id->operation, b->id->key);
   });
+  try {
+    d.ensure();  // first: a reconnection may measure a new clock offset, which the params use
+  } catch (...) {
+    for (StoreOp* op : ops) op->error = std::current_exception();
+    return;
+  }
   // An op whose inputs cannot be sent (a header that is not UTF-8) fails alone, before any
   // round trip.
   std::vector<StoreOp*> sendable;
@@ -1033,7 +1072,7 @@ void PgStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park
   Impl& d = *impl_;
   d.locked([&] {
     Params p;
-    p.text(id).integer(d.shift().to_db(retry_at)).integer(park ? 1 : 0).text(why);
+    p.text(id).integer(d.shift().to_db(retry_at)).integer(park ? 1 : 0).text(valid_utf8(why));
     d.run(kOutboxFailed, p);
   });
 }

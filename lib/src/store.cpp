@@ -8,7 +8,7 @@ namespace {
 [[noreturn]] void no_steps() {
   throw error(errc::invalid_argument,
               "idem: this store keeps no progress: multi-step operations and the outbox need "
-              "an engine that implements them (SqliteStore does)");
+              "an engine that implements them (SqliteStore and PgStore do)");
 }
 
 }  // namespace

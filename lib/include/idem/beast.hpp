@@ -133,7 +133,8 @@ struct LayerOptions {
   // gets Context::attempt, a 5xx or an exception keeps the progress for the retry, and the
   // request is stored on the record (method, target, Content-Type and body; never other
   // fields, so no credentials: take the tenant from Context::id) so that resume() can
-  // finish it without its client. Needs a store with progress (SqliteStore). Default: false.
+  // finish it without its client. Needs a store with progress (SqliteStore, PgStore). Default:
+  // false.
   bool steps = false;
 };
 

@@ -110,7 +110,8 @@ class Coordinator {
   //  - It never runs unprotected: its progress lives in the store, so a store failure is a
   //    StoreError under either FailureMode, and a missing key is an InvalidKeyError.
   //  - InFlight::run is refused (idem::error(errc::invalid_argument)).
-  // Every other rule and error is call()'s. Needs a store with progress (SqliteStore).
+  // Every other rule and error is call()'s. Needs a store with progress (SqliteStore,
+  // PgStore).
   Outcome call_steps(const Request& request, const std::function<Response(Attempt&)>& action);
 
   // Multi-step operations of `operations` left mid-way after making progress

@@ -67,7 +67,10 @@ class PgStore final : public BatchedStore {
   // Connects with `conninfo` (libpq's "host=... dbname=..." or a postgresql:// URI),
   // migrates the schema and measures the clock offset. Throws StoreError if the server cannot
   // be reached or the schema is newer than this library knows; then no PgStore exists.
-  // Throws idem::error(errc::invalid_argument) for an empty schema name.
+  // Throws idem::error(errc::invalid_argument) for an empty schema name or one with a '$'.
+  // The connection gets defaults for what `conninfo` leaves unset: connect_timeout 5 s, TCP
+  // keepalives after 5 s idle, tcp_user_timeout statement_timeout + 5 s, so a server that
+  // vanishes is a StoreError within seconds; and READ COMMITTED, which the store relies on.
   explicit PgStore(const std::string& conninfo, PgOptions options = {});
   ~PgStore() override;
   PgStore(const PgStore&) = delete;
@@ -85,9 +88,11 @@ class PgStore final : public BatchedStore {
                     const std::string& step) override;
   // Local steps run their statements (PostgreSQL's dialect, parameters $1..$N) on this
   // store's connection inside its transaction; they must not begin, commit or roll back
-  // transactions of their own. Integers and doubles are sent as text and strings as raw
-  // bytes, so a string parameter fits a text or a bytea column; results come back as
-  // integers (int2/4/8), doubles (float4/8), bytes (bytea) or text (anything else).
+  // transactions of their own. Unlike SQLite, a statement that fails aborts the whole
+  // transaction: a step that catches execute()'s StoreError cannot go on (the step fails). Integers
+  // and doubles are sent as text and strings as raw bytes, so a string parameter fits a text or a
+  // bytea column; results come back as integers (int2/4/8), doubles (float4/8), bytes (bytea) or
+  // text (anything else).
   bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                    const StepCommit& step) override;
   std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now, std::size_t limit,

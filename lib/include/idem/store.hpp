@@ -1,8 +1,8 @@
 // idem — the storage interface: atomic operations on one record per key.
 //
 // A Store does no policy: it reserves, completes, releases and loads records atomically,
-// and the Coordinator decides what those outcomes mean. SqliteStore is the engine that
-// ships; another engine implements this interface.
+// and the Coordinator decides what those outcomes mean. SqliteStore (one machine) and
+// PgStore (several nodes) are the engines that ship; another engine implements this interface.
 #pragma once
 
 #include <cstddef>
@@ -232,14 +232,14 @@ class Store {
 
   // Applies several writes, each with its own outcome, as if one after another in `ops`
   // order: a conflict or a stale token in one op never fails its neighbours. An engine may
-  // commit them in one transaction (SqliteStore does; the coordinator's group commit hands
-  // it the writes of every call that is ready at once); no result may be acted on before
-  // its write is durable as configured. Never throws: failures go to StoreOp::error. The
-  // default runs reserve(), complete(), release() and store_if_absent() one by one.
+  // commit them in one transaction (SqliteStore and PgStore do; the coordinator's group commit
+  // hands it the writes of every call that is ready at once); no result may be acted on before its
+  // write is durable as configured. Never throws: failures go to StoreOp::error. The default runs
+  // reserve(), complete(), release() and store_if_absent() one by one.
   virtual void apply(std::span<StoreOp* const> ops);
 
   // ---- Multi-step operations. The defaults throw idem::error(errc::invalid_argument): an
-  // engine that keeps no progress cannot run them. SqliteStore implements them all.
+  // engine that keeps no progress cannot run them. SqliteStore and PgStore implement them all.
 
   // Starts or resumes the operation on the record `token` holds: stores `request` the first
   // time (a resume keeps the stored one) and returns the recorded progress, or, when nothing
