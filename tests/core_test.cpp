@@ -11,6 +11,7 @@
 
 #include "../lib/src/decide.hpp"
 #include "../lib/src/group_commit.hpp"
+#include "../lib/src/pg_sql.hpp"
 #include "../lib/src/read_first.hpp"
 #include "../lib/src/sql.hpp"
 #include "bench/floor_sql.hpp"
@@ -332,4 +333,7 @@ TEST_CASE("bench: the floor runs idem's own statements") {
   CHECK(idem::bench::sql::kLoad == idem::sql::kLoad);
   CHECK(idem::bench::sql::kSynchronousNormal == idem::sql::kSynchronousNormal);
   CHECK(idem::bench::sql::kSynchronousFull == idem::sql::kSynchronousFull);
+  CHECK(idem::bench::sql::kPgReserve == idem::pg_sql::kReserve);
+  CHECK(idem::bench::sql::kPgComplete == idem::pg_sql::kComplete);
+  CHECK(idem::bench::sql::kPgLoad == idem::pg_sql::kLoad);
 }

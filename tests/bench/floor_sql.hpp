@@ -1,6 +1,7 @@
 // Every SQL statement of the benchmark. The floor runs idem's own statements (a ctest entry,
 // "bench: the floor runs idem's own statements", checks they are the same text as
-// lib/src/sql.hpp's), so schema and statement costs cancel out of the ratios.
+// lib/src/sql.hpp's and lib/src/pg_sql.hpp's), so schema and statement costs cancel out of
+// the ratios.
 #pragma once
 
 #include <string_view>
@@ -66,5 +67,28 @@ inline constexpr std::string_view kBulkInsert = R"sql(
 INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at,
                        expires_at, status, body)
 VALUES ('alpha', 'payment.charge', ?1, ?2, 2, 1, 0, 0, ?3, 200, ?4))sql";
+
+// ---- PostgreSQL (the pg section) ----------------------------------------------------------
+// idem's reservation, completion and load on PostgreSQL (lib/src/pg_sql.hpp), verbatim, run
+// through libpq one statement per round trip, each its own autocommit transaction. `{s}`
+// stands for the schema (a quoted identifier), as in pg_sql.hpp.
+// $4 fingerprint $5 now $6 lease_until; returns o_kind (0: reserved) and o_token.
+inline constexpr std::string_view kPgReserve =
+    "SELECT * FROM {s}.idem_reserve($1, $2, $3, $4::bytea, $5::bigint, $6::bigint)";
+
+// $4 token $5 status $6 headers $7 body $8 body_ref $9 expires_at
+inline constexpr std::string_view kPgComplete = R"sql(
+UPDATE {s}.idem_keys
+SET state = 2, status = $5::integer, headers = $6::text, body = $7::bytea, body_ref = $8::text,
+    expires_at = $9::bigint
+WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND state = 1)sql";
+
+inline constexpr std::string_view kPgLoad = R"sql(
+SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
+       body_ref, recovery_point
+FROM {s}.idem_keys WHERE tenant = $1 AND operation = $2 AND key = $3)sql";
+
+// Every scenario starts on an empty schema, which PgStore then makes again.
+inline constexpr std::string_view kPgDropSchema = "DROP SCHEMA IF EXISTS {s} CASCADE";
 
 }  // namespace idem::bench::sql

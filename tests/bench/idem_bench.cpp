@@ -1,8 +1,13 @@
-// scripts/bench: what idem costs, measured against the bare SQLite floor in the same run.
+// scripts/bench: what idem costs, measured against the bare SQLite floor (and, in the pg
+// section, a bare PostgreSQL one) in the same run.
 //
-//   idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...]
-//       sections: calls,sweep,processes,handoff,growth,purge,maintenance,bytes,http
+//   idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...] [--pg CONNINFO]
+//       sections: calls,sweep,processes,handoff,growth,purge,maintenance,bytes,http,pg
+//       pg: idem over PgStore against libpq floors on the server CONNINFO names (skipped
+//       without --pg; scripts/bench starts a durable throwaway one); it also runs the SQLite
+//       replay cache's ratio, which calls runs too
 //   idem_bench --child ...                     one process of a multi-process scenario
+//   idem_bench --pg-waiter ...                 the other node of the pg section's hand-off
 //   idem_bench --chart RESULTS.json OUT.svg    the README's chart from a --json run
 #include <utility>  // before Asio (Boost 1.74)
 
@@ -35,8 +40,10 @@
 #include "idem/asio.hpp"
 #include "idem/coordinator.hpp"
 #include "idem/internal/sqlite.hpp"
+#include "idem/replay_cache.hpp"
 #include "idem/sqlite_store.hpp"
 #include "idem/steps.hpp"
+#include "pg_bench.hpp"
 
 extern char** environ;
 
@@ -56,6 +63,7 @@ struct Config {
   }
   std::string dir;
   std::string self;  // this program, for child processes
+  std::string pg;    // --pg: the PostgreSQL server of the pg section; empty: skipped
 };
 
 const Fingerprint kFp = Fingerprint::of(json{{"amount", 4990}, {"currency", "RUB"}});
@@ -353,6 +361,15 @@ Stats idem_replay(const Config& c, Synchronous sync, std::size_t keys, std::size
   { populate(*make_idem(path, sync), keys); }
   auto idem = make_idem(path, sync);
   return idem_threads(*idem, n, 1, [&](std::size_t i) { return key_of(i % keys); });
+}
+
+// The same through idem::ReplayCache over SqliteStore: `keys` hot keys, served from memory
+// once read.
+Stats idem_replay_cached(const Config& c, std::size_t keys, std::size_t n) {
+  const std::string path = fresh_db(c, "idem-replay-cache");
+  { populate(*make_idem(path, Synchronous::normal), keys); }
+  Coordinator idem(std::make_shared<ReplayCache>(std::make_shared<SqliteStore>(path)), {});
+  return idem_threads(idem, n, 1, [&](std::size_t i) { return key_of(i % keys); });
 }
 
 double median(std::vector<double> v) {
@@ -996,6 +1013,44 @@ int run_all(const Config& c) {
     }
   }
 
+  // 10. The replay cache on SQLite (with calls, and with pg): hot keys through ReplayCache
+  // against the SELECT floor, the median of back-to-back pairs.
+  if (c.wants("calls") || c.wants("pg")) {
+    const std::size_t keys = 100, calls = c.quick ? 100000 : 500000;
+    report.heading(fmt::format("normal: replay of {} hot keys through ReplayCache", keys));
+    std::vector<double> pairs;
+    Stats floor_r, cached;
+    for (int pair = 0; pair < 5; ++pair) {
+      const Stats f = floor_replay(c, Synchronous::normal, keys, calls);
+      const Stats r = idem_replay_cached(c, keys, calls);
+      pairs.push_back(r.per_s / f.per_s);
+      if (pair == 0) {
+        floor_r = f;
+        cached = r;
+      }
+    }
+    report.line("normal: naive floor (SELECT by primary key), hot", floor_r);
+    report.line("normal: idem replay through ReplayCache", cached, &floor_r);
+    report.note(
+        fmt::format("replay cache ratio, median of 5 back-to-back runs: {:.1f}", median(pairs)));
+    o["raw"]["replay_cache_ratio_pairs"] = pairs;
+    o["replay_cache_calls_per_s"] = cached.per_s;
+    o["replay_cache_ratio"] = median(pairs);
+  }
+
+  // 11. PostgreSQL: idem over PgStore against libpq floors on one durable server.
+  if (c.wants("pg") && c.pg.empty()) {
+    std::cerr << "idem_bench: pg section skipped: no PostgreSQL server (--pg CONNINFO; "
+                 "scripts/bench starts one)\n";
+  } else if (c.wants("pg")) {
+    try {
+      o.update(run_pg({c.quick, c.pg, c.self, c.dir}, report.human ? &std::cout : nullptr));
+    } catch (const std::exception& e) {
+      std::cerr << "idem_bench: " << e.what() << '\n';
+      return 1;
+    }
+  }
+
   if (c.json_out) std::cout << o.dump(2) << '\n';
   return 0;
 }
@@ -1013,6 +1068,8 @@ int main(int argc, char** argv) {
         std::string(argv[5]) == "full" ? idem::Synchronous::full : idem::Synchronous::normal,
         std::stoi(argv[6]));
   }
+  if (argc >= 2 && std::string(argv[1]) == "--pg-waiter")
+    return idem::bench::run_pg_waiter(argc - 2, argv + 2);
   if (argc == 4 && std::string(argv[1]) == "--hold")
     return idem::bench::run_holder(argv[2], argv[3]);
   if (argc == 4 && std::string(argv[1]) == "--chart") return idem::bench::chart(argv[2], argv[3]);
@@ -1024,12 +1081,16 @@ int main(int argc, char** argv) {
       c.json_out = true;
     else if (a == "--dir" && i + 1 < argc)
       c.dir = argv[++i];
+    else if (a == "--pg" && i + 1 < argc)
+      c.pg = argv[++i];
     else if (a == "--only" && i + 1 < argc) {
       std::stringstream list(argv[++i]);
       for (std::string name; std::getline(list, name, ',');) c.only.push_back(name);
     } else {
-      std::cerr << "usage: idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...]\n"
-                   "sections: calls sweep processes handoff growth purge maintenance bytes http\n";
+      std::cerr << "usage: idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...] "
+                   "[--pg CONNINFO]\n"
+                   "sections: calls sweep processes handoff growth purge maintenance bytes http "
+                   "pg\n";
       return 2;
     }
   }
