@@ -45,8 +45,11 @@ std::string create_order(LocalTransaction& tx, const CheckoutRequest& r,
       {"currency", r.currency},
       {"order_id", r.order_id},
       {"status", "succeeded"}}.dump();
-  tx.execute(sql::kInsertOrder, {r.tenant, r.order_id, charge_id, body, now_ms});
-  const std::vector<LocalTransaction::Row> rows = tx.execute(sql::kOrderId, {r.tenant, r.order_id});
+  const bool pg = tx.dialect() == LocalTransaction::Dialect::postgresql;
+  tx.execute(pg ? sql::pg::kInsertOrder : sql::kInsertOrder,
+             {r.tenant, r.order_id, charge_id, body, now_ms});
+  const std::vector<LocalTransaction::Row> rows =
+      tx.execute(pg ? sql::pg::kOrderId : sql::kOrderId, {r.tenant, r.order_id});
   return std::get<std::string>(rows.at(0).at(0));
 }
 

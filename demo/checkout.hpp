@@ -41,8 +41,8 @@ struct CheckoutRequest {
 std::string to_payload(const CheckoutRequest& r);
 CheckoutRequest checkout_from_payload(const std::string& payload);
 
-// Creates the orders table in `db` (the keys' database file) if it is missing. Throws
-// StoreError.
+// Creates the orders table in `db` (the keys' SQLite file) if it is missing. Throws
+// StoreError. (database.hpp opens either engine with its orders table.)
 void create_orders_table(const std::string& db);
 
 // The points of the flow where the table's scenario and the tests make a process die:
@@ -62,7 +62,7 @@ boost::asio::awaitable<Response> async_checkout(Attempt& attempt, sim::Provider&
 // The outbox's delivery to the simulated mail sender ("mail" topic).
 Delivery mail_delivery(sim::MailSender& mail);
 
-// How many orders the database holds (for tables and tests).
+// How many orders the SQLite file `db` holds (for tables and tests).
 std::size_t count_orders(const std::string& db);
 
 }  // namespace idem::demo

@@ -1,5 +1,5 @@
 // Every SQL statement of the demo's checkout (seed 000's orders table: the application's
-// own data, in the same database file as idem's keys).
+// own data, in the same database as idem's keys), in SQLite's dialect and PostgreSQL's.
 #pragma once
 
 #include <string_view>
@@ -36,5 +36,46 @@ inline constexpr std::string_view kFindOrder =
     "SELECT json_set(body, '$.id', 'pay_' || seq) FROM demo_orders WHERE seq = ?1 AND tenant = ?2";
 
 inline constexpr std::string_view kCountOrders = "SELECT count(*) FROM demo_orders";
+
+// PostgreSQL: the same table in the store's schema (the search_path of PgStore's
+// connection and of the demo's own). Nodes that start together create it one after another.
+namespace pg {
+
+inline constexpr const char* kSearchPath = "SET search_path = idem, public";
+// A format string: milliseconds.
+inline constexpr std::string_view kStatementTimeout = "SET statement_timeout = {}";
+
+inline constexpr const char* kOrdersSchema = R"sql(
+BEGIN;
+SELECT pg_advisory_xact_lock(hashtext('idem-demo orders'));
+CREATE TABLE IF NOT EXISTS demo_orders (
+  seq        bigserial PRIMARY KEY,
+  tenant     text      NOT NULL,
+  order_id   text      NOT NULL,
+  charge_id  text      NOT NULL,
+  body       text      NOT NULL,
+  created_at bigint    NOT NULL,
+  UNIQUE (tenant, order_id)
+);
+COMMIT)sql";
+
+// $1 tenant $2 order_id $3 charge_id $4 body (JSON) $5 created_at (epoch ms)
+inline constexpr std::string_view kInsertOrder = R"sql(
+INSERT INTO demo_orders (tenant, order_id, charge_id, body, created_at)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (tenant, order_id) DO NOTHING)sql";
+
+// $1 tenant $2 order_id
+inline constexpr std::string_view kOrderId =
+    "SELECT 'pay_' || seq FROM demo_orders WHERE tenant = $1 AND order_id = $2";
+
+// $1 seq $2 tenant: the order's body with its id.
+inline constexpr const char* kFindOrder =
+    "SELECT jsonb_set(body::jsonb, '{id}', to_jsonb('pay_' || seq))::text FROM demo_orders "
+    "WHERE seq = $1::bigint AND tenant = $2";
+
+inline constexpr const char* kCountOrders = "SELECT count(*) FROM demo_orders";
+
+}  // namespace pg
 
 }  // namespace idem::demo::sql

@@ -6,11 +6,11 @@
 #include <nlohmann/json.hpp>
 
 #include "checkout.hpp"
+#include "database.hpp"
 #include "idem/coordinator.hpp"
 #include "idem/http.hpp"
 #include "idem/sim/mail.hpp"
 #include "idem/sim/provider.hpp"
-#include "idem/sqlite_store.hpp"
 #include "idem/steps.hpp"
 
 namespace idem::demo {
@@ -49,7 +49,8 @@ int run_charge(const ChargeArgs& a) {
 
     Options options = process_options(a.lease_ms, policy_of(a.policy), clock);
     options.on_store_failure = a.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
-    Coordinator idem(std::make_shared<SqliteStore>(a.db), options);
+    Database db(a.db, {.clock = clock});
+    Coordinator idem(db.store(), options);
 
     const nlohmann::json body = {
         {"amount", a.amount}, {"currency", a.currency}, {"order_id", a.order_id}};
@@ -120,8 +121,8 @@ int run_checkout(const CheckoutArgs& a) {
                                    .dedup = a.provider_dedup,
                                    .ledger_path = a.ledger});
     const Options options = process_options(a.lease_ms, InFlight::wait, clock);
-    Coordinator idem(std::make_shared<SqliteStore>(a.db), options);
-    create_orders_table(a.db);
+    Database db(a.db, {.clock = clock});
+    Coordinator idem(db.store(), options);
 
     const CheckoutRequest order{a.tenant, a.order_id, a.amount, a.currency, "buyer@example.com"};
     Request req;
@@ -140,7 +141,7 @@ int run_checkout(const CheckoutArgs& a) {
     line["resumed"] = idem.metrics().resumed;
     line["reconciled"] = idem.metrics().reconciled;
     line["debits"] = provider.charge_count();
-    line["orders"] = count_orders(a.db);
+    line["orders"] = db.count_orders();
     std::cout << line.dump() << std::endl;
     return out.response.status == 200 ? 0 : 1;
   } catch (const std::exception& e) {
@@ -156,7 +157,8 @@ int run_dispatch(const std::string& db, const std::string& ledger) {
     sim::MailSender mail(clock, {.journal_path = ledger});
     Options options;
     options.clock = clock;
-    Coordinator idem(std::make_shared<SqliteStore>(db), options);
+    Database database(db, {.clock = clock});
+    Coordinator idem(database.store(), options);
     Dispatcher dispatcher(idem, mail_delivery(mail));
     const DispatchReport r = dispatcher.run_once();
     std::cout << nlohmann::json{{"delivered", r.delivered},

@@ -10,7 +10,7 @@
 namespace idem::demo {
 
 struct ChargeArgs {
-  std::string db;
+  std::string db;  // keys: a SQLite file or a postgresql:// URI (database.hpp)
   std::string ledger;
   std::string key;
   std::string tenant = "alpha";
@@ -31,7 +31,7 @@ struct ChargeArgs {
 int run_charge(const ChargeArgs& args);
 
 struct CheckoutArgs {
-  std::string db;      // keys, orders and the outbox (SQLite file)
+  std::string db;      // keys, orders and the outbox (SQLite file or postgresql:// URI)
   std::string ledger;  // the provider's ledger and the mail journal (SQLite file)
   std::string key;
   std::string tenant = "alpha";
@@ -48,8 +48,8 @@ struct CheckoutArgs {
 // JSON line (status, body, debits, orders) and returns 0 on a 200, 1 otherwise.
 int run_checkout(const CheckoutArgs& args);
 
-// Delivers the outbox of `db` to the mail journal in `ledger` once (a one-shot
-// Dispatcher), then prints {"delivered", "retried", "parked", "pending", "mails"}.
+// Delivers the outbox of `db` (SQLite file or postgresql:// URI) to the mail journal in `ledger`
+// once (a one-shot Dispatcher), then prints {"delivered", "retried", "parked", "pending", "mails"}.
 int run_dispatch(const std::string& db, const std::string& ledger);
 
 struct SimulateArgs {

@@ -3,8 +3,34 @@
 #include <iostream>
 
 #include "commands.hpp"
+#include "database.hpp"
+#include "migrate.hpp"
 #include "scenarios.hpp"
 #include "server/server.hpp"
+
+namespace {
+
+// Where a command keeps its keys (and the demo's own tables): --db FILE or --store URI,
+// exactly one, both into `where`.
+void add_database(CLI::App* command, std::string& where, const std::string& what) {
+  CLI::Option_group* g = command->add_option_group("database", "Where " + what + " live");
+  g->add_option("--db", where, what + " in a SQLite file (one machine)")
+      ->check(CLI::Validator(
+          [](const std::string& v) {
+            return idem::demo::is_postgresql(v) ? "a postgresql:// URI goes to --store" : "";
+          },
+          "FILE"));
+  g->add_option("--store", where,
+                what + " in a PostgreSQL database shared by every node (libpq URI)")
+      ->check(CLI::Validator(
+          [](const std::string& v) {
+            return idem::demo::is_postgresql(v) ? "" : "--store takes a postgresql:// URI";
+          },
+          "postgresql://..."));
+  g->require_option(1);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"idem-demo: why a result cache charges twice, and how idem charges once"};
@@ -24,7 +50,7 @@ int main(int argc, char** argv) {
   std::string dedup = "on";
   CLI::App* charge = app.add_subcommand(
       "charge", "One real-time charge through the coordinator from this process");
-  charge->add_option("--db", c.db, "Idempotency key database (SQLite file)")->required();
+  add_database(charge, c.db, "Idempotency keys");
   charge->add_option("--ledger", c.ledger, "Provider ledger (SQLite file, shared by processes)")
       ->required();
   charge->add_option("--key", c.key, "Idempotency key")->required();
@@ -74,7 +100,7 @@ int main(int argc, char** argv) {
   std::string checkout_dedup = "on";
   CLI::App* checkout_cmd = app.add_subcommand(
       "checkout", "Seed 000's checkout (debit, order, mail) once, resuming what a dead run began");
-  checkout_cmd->add_option("--db", k.db, "Keys, orders and outbox (SQLite file)")->required();
+  add_database(checkout_cmd, k.db, "Keys, orders and outbox");
   checkout_cmd->add_option("--ledger", k.ledger, "Provider ledger and mail journal (SQLite file)")
       ->required();
   checkout_cmd->add_option("--key", k.key, "Idempotency key")->required();
@@ -95,7 +121,7 @@ int main(int argc, char** argv) {
   std::string dispatch_db, dispatch_ledger;
   CLI::App* dispatch_cmd =
       app.add_subcommand("dispatch", "Deliver the outbox once (to the simulated mail sender)");
-  dispatch_cmd->add_option("--db", dispatch_db, "Keys and outbox (SQLite file)")->required();
+  add_database(dispatch_cmd, dispatch_db, "Keys and outbox");
   dispatch_cmd->add_option("--ledger", dispatch_ledger, "Mail journal (SQLite file)")->required();
 
   std::string ledger;
@@ -111,12 +137,15 @@ int main(int argc, char** argv) {
   serve->add_option("--port", serve_options.port, "TCP port (0: any free port)")
       ->capture_default_str();
   serve->add_option("--host", serve_options.host, "Address to bind")->capture_default_str();
-  serve->add_option("--db", serve_options.api.db, "Idempotency keys and payments (SQLite file)")
-      ->required();
+  add_database(serve, serve_options.api.db, "Idempotency keys, payments and outbox");
   serve->add_option("--ledger", serve_options.api.ledger,
                     "Provider ledger (SQLite file; default: in memory)");
   serve->add_option("--policy", serve_policy, "In-flight policy")
       ->check(CLI::IsMember({"raise", "wait"}))
+      ->capture_default_str();
+  std::string serve_dedup = "on";
+  serve->add_option("--provider-dedup", serve_dedup, "Provider deduplicates on the derived key")
+      ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   serve->add_option("--provider-latency-ms", serve_latency_ms, "Provider latency")
       ->check(CLI::NonNegativeNumber)
@@ -146,6 +175,12 @@ int main(int argc, char** argv) {
                    "Seconds a key is remembered (at least 60); maintenance purges it after")
       ->check(CLI::Range(60LL, 10LL * 365 * 86400))
       ->capture_default_str();
+  long long serve_lease_ms = 30000;
+  serve
+      ->add_option("--lease-ms", serve_lease_ms,
+                   "How long a server that died mid-request keeps its keys from the others")
+      ->check(CLI::Range(30LL, 3600LL * 1000))
+      ->capture_default_str();
   serve->add_option("--operator-key", serve_options.api.operator_key,
                     "Serve /metrics and /v1/provider/charges only to \"Authorization: Bearer "
                     "KEY\" (default: only to loopback clients)");
@@ -163,6 +198,18 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
 
+  idem::demo::MigrateArgs migrate_args;
+  CLI::App* migrate_cmd = app.add_subcommand(
+      "migrate", "Copy a SQLite store's keys and undelivered outbox into PostgreSQL (rerunnable)");
+  migrate_cmd->add_option("--from", migrate_args.from, "The SQLite store (file)")->required();
+  migrate_cmd->add_option("--to", migrate_args.to, "PostgreSQL (libpq conninfo or URI)")
+      ->required();
+  migrate_cmd->add_option("--schema", migrate_args.schema, "PostgreSQL schema of idem's tables")
+      ->capture_default_str();
+  migrate_cmd->add_option("--batch", migrate_args.batch, "Records per transaction")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -172,6 +219,7 @@ int main(int argc, char** argv) {
     }
     if (simulate->parsed()) return idem::demo::run_simulate(sim);
     if (ledger_cmd->parsed()) return idem::demo::run_ledger(ledger);
+    if (migrate_cmd->parsed()) return idem::demo::run_migrate(migrate_args);
     if (checkout_cmd->parsed()) {
       k.provider_dedup = checkout_dedup == "on";
       return idem::demo::run_checkout(k);
@@ -181,12 +229,19 @@ int main(int argc, char** argv) {
       serve_options.api.policy =
           serve_policy == "wait" ? idem::InFlight::wait : idem::InFlight::raise;
       serve_options.api.provider_latency = std::chrono::milliseconds(serve_latency_ms);
+      serve_options.api.provider_dedup = serve_dedup == "on";
       serve_options.api.replay_cache_bytes = replay_cache_mb << 20;
       serve_options.api.ttl = std::chrono::seconds(serve_ttl_s);
+      serve_options.api.lease = std::chrono::milliseconds(serve_lease_ms);
       if (!api_keys_file.empty())
         serve_options.api.api_keys = idem::demo::load_api_keys(api_keys_file);
       serve_options.app = serve_app == "conformance" ? idem::demo::AppKind::conformance
                                                      : idem::demo::AppKind::payments;
+      if (serve_options.app == idem::demo::AppKind::conformance &&
+          idem::demo::is_postgresql(serve_options.api.db)) {
+        std::cerr << "idem-demo: the conformance fixture keeps its keys in a SQLite file (--db)\n";
+        return 2;
+      }
       serve_options.idempotency_layer = !no_layer;
       serve_options.max_connections = static_cast<std::size_t>(max_connections);
       serve_options.drain_timeout = std::chrono::milliseconds(drain_ms);

@@ -307,3 +307,49 @@ TEST_CASE("postgresql: the store's transactions are READ COMMITTED whatever the 
   REQUIRE(store.commit_step(id, r.token, r.token, look));
   CHECK(level == "read committed");
 }
+
+TEST_CASE("postgresql: a duplicate waiting in another node is woken by NOTIFY, not by its poll") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  // Node B's clock never moves: its poll timer, its lease check and its give-up never fire,
+  // so only a wake-up can end its wait. Node A holds the key until the test lets it go.
+  auto frozen = std::make_shared<idem::sim::SimulatedClock>();
+  auto a_store = std::make_shared<idem::PgStore>(
+      e.conninfo, idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller});
+  auto b_store = std::make_shared<idem::PgStore>(
+      e.conninfo, idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller});
+  idem::Coordinator node_a(a_store, idem::Options{.clock = frozen});
+  idem::Coordinator node_b(b_store,
+                           idem::Options{.in_flight = idem::InFlight::wait, .clock = frozen});
+  idem::sim::Provider provider(frozen, {.latency = 0ms, .dedup = false});
+
+  std::latch release(1);
+  std::thread holder([&] {
+    node_a.call(request("woken"), [&] {
+      release.wait();
+      return idem::Response{200, provider.charge("A-1", 4990, "").charge_id, {}};
+    });
+  });
+  REQUIRE(idem::test::eventually([&] { return node_a.metrics().reserved == 1; }));
+  std::atomic<bool> done{false};
+  idem::Outcome waited;
+  std::thread duplicate([&] {
+    waited = node_b.call(request("woken"), [&] {
+      return idem::Response{200, provider.charge("A-1", 4990, "").charge_id, {}};
+    });
+    done = true;
+  });
+  REQUIRE(idem::test::eventually([&] { return node_b.metrics().waited == 1; }));
+  release.count_down();
+  holder.join();
+  // A failure bound, not a measurement: without the wake-up, B would wait forever; then the
+  // clock is moved past its give-up so the thread ends and the test fails.
+  const bool woken = idem::test::eventually([&] { return done.load(); }, 30s);
+  if (!woken) frozen->advance(1h);
+  duplicate.join();
+  CHECK(woken);
+  CHECK(waited.replayed());
+  CHECK(provider.charge_count() == 1);
+  CHECK(b_store->stats().wakeups >= 1);
+  CHECK(a_store->stats().notify_batches >= 1);
+}

@@ -10,8 +10,7 @@
 
 #include "http_client.hpp"
 #include "idem/sim/provider.hpp"
-#include "server.hpp"
-#include "test_support.hpp"
+#include "serve_support.hpp"
 
 using namespace std::chrono_literals;
 using idem::InFlight;
@@ -25,7 +24,7 @@ using Headers = std::vector<std::pair<std::string, std::string>>;
 
 struct TestServer {
   idem::test::TempDir dir;
-  std::string db = dir.file("server.db");
+  std::string db = idem::test::server_database(dir);
   std::unique_ptr<idem::demo::Server> server;
   std::thread thread;
 
@@ -207,7 +206,7 @@ TEST_CASE("server: a provider timeout is 504, nothing stored, the retry charges 
   CHECK(s.charges() == 1);
 }
 
-TEST_CASE("server: fail-closed with the store locked answers 503 and charges nothing") {
+TEST_CASE("server (sqlite): fail-closed with the store locked answers 503 and charges nothing") {
   idem::demo::ServerOptions o = with(InFlight::raise, 10ms);
   o.api.fail_closed = true;
   o.api.store_busy_timeout = 50ms;
@@ -257,8 +256,7 @@ TEST_CASE("server: 400s name the broken rule and store nothing") {
     CHECK_MESSAGE(
         json::parse(r.body).at("detail").get<std::string>().find(words) != std::string::npos, body);
   }
-  idem::test::RawDb raw(s.db);
-  CHECK(raw.rows() == 0);
+  CHECK(idem::test::key_rows(s.db) == 0);
   CHECK(s.charges() == 0);
   // The key that only ever saw bad bodies is free for a good one.
   CHECK(c.send("POST", "/v1/payments", post_headers("k-bad-body"), payment()).status == 200);

@@ -8,12 +8,14 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "idem/coordinator.hpp"
@@ -98,6 +100,50 @@ inline std::string fresh_pg_schema() {
   return fmt::format("t_{}_{}", getpid(), next++);
 }
 
+// The text of the first column of the first row of `sql` on the PostgreSQL server `conninfo`
+// (libpq's keywords or a URI); "" if no row. Throws std::runtime_error when it fails.
+inline std::string pg_text(const std::string& conninfo, const std::string& sql) {
+  PGconn* c = PQconnectdb(conninfo.c_str());
+  PGresult* r = PQexec(c, sql.c_str());
+  const ExecStatusType status = PQresultStatus(r);
+  std::string v = status == PGRES_TUPLES_OK && PQntuples(r) > 0 ? PQgetvalue(r, 0, 0) : "";
+  const std::string why = PQerrorMessage(c);
+  PQclear(r);
+  PQfinish(c);
+  if (status != PGRES_TUPLES_OK && status != PGRES_COMMAND_OK)
+    throw std::runtime_error("postgresql: " + why);
+  return v;
+}
+
+// The server IDEM_TEST_PG names (scripts/test starts one).
+inline std::string test_pg_conninfo() {
+  const char* conninfo = std::getenv("IDEM_TEST_PG");
+  if (conninfo == nullptr)
+    throw std::runtime_error("IDEM_TEST_PG is not set (scripts/test sets it)");
+  return conninfo;
+}
+
+// A fresh database on that server, as the postgresql:// URI idem-demo's --store takes.
+inline std::string fresh_pg_database() {
+  static std::atomic<unsigned> next{0};
+  const std::string name = fmt::format("t_{}_{}", getpid(), next++);
+  const std::string conninfo = test_pg_conninfo();
+  pg_text(conninfo, "CREATE DATABASE " + name);
+  PGconn* c = PQconnectdb(conninfo.c_str());
+  const std::string uri = fmt::format("postgresql:///{}?host={}&port={}&user={}", name, PQhost(c),
+                                      PQport(c), PQuser(c));
+  PQfinish(c);
+  return uri;
+}
+
+// How many records idem's store at `where` holds, live or not: a SQLite file, or a
+// postgresql:// URI (idem-demo's schema, "idem").
+inline long long key_rows(const std::string& where) {
+  if (where.starts_with("postgresql://"))
+    return std::stoll(pg_text(where, "SELECT count(*) FROM idem.idem_keys"));
+  return RawDb(where).rows();
+}
+
 // Whether this test process runs its Worlds on PostgreSQL: ctest registers the coordinator's
 // tests a second time with IDEM_TEST_ENGINE=postgresql (tests/CMakeLists.txt).
 inline bool worlds_on_postgresql() {
@@ -124,7 +170,7 @@ struct World {
                  SqliteOptions store_options = {}) {
     if (worlds_on_postgresql()) {
       pg_schema = fresh_pg_schema();
-      store = std::make_shared<PgStore>(pg_conninfo(),
+      store = std::make_shared<PgStore>(test_pg_conninfo(),
                                         PgOptions{.schema = pg_schema, .clock = PgClock::caller});
     } else {
       sqlite = std::make_shared<SqliteStore>(db_path, store_options);
@@ -157,24 +203,24 @@ struct World {
   // How many records the store holds, live or not, asked of the database itself.
   long long rows() const {
     if (!worlds_on_postgresql()) return RawDb(db_path).rows();
-    PGconn* c = PQconnectdb(pg_conninfo().c_str());
-    PGresult* r = PQexec(c, fmt::format("SELECT count(*) FROM {}.idem_keys", pg_schema).c_str());
-    const long long n = PQresultStatus(r) == PGRES_TUPLES_OK ? std::atoll(PQgetvalue(r, 0, 0)) : -1;
-    PQclear(r);
-    PQfinish(c);
-    return n;
-  }
-
-  static std::string pg_conninfo() {
-    const char* conninfo = std::getenv("IDEM_TEST_PG");
-    if (conninfo == nullptr)
-      throw std::runtime_error("IDEM_TEST_ENGINE=postgresql needs IDEM_TEST_PG");
-    return conninfo;
+    return std::stoll(
+        pg_text(test_pg_conninfo(), fmt::format("SELECT count(*) FROM {}.idem_keys", pg_schema)));
   }
 
   TimePoint t(long long ms) const { return sim::kSimulationStart + std::chrono::milliseconds(ms); }
   long long elapsed_ms() const { return (clock->now() - sim::kSimulationStart).count(); }
 };
+
+// Polls `done` until it holds or `bound` passes (a failure bound, not a measurement).
+template <class Predicate>
+bool eventually(Predicate done, std::chrono::seconds bound = std::chrono::seconds(30)) {
+  const auto give_up = std::chrono::steady_clock::now() + bound;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
 
 inline Request request(std::string key, long long amount = 4990, std::string tenant = "alpha",
                        std::string operation = "payment.charge") {

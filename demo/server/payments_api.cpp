@@ -15,13 +15,11 @@
 #include <sstream>
 
 #include "checkout.hpp"
-#include "checkout_sql.hpp"
+#include "database.hpp"
 #include "idem/asio.hpp"
-#include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for the orders table
 #include "idem/replay_cache.hpp"
 #include "idem/sim/mail.hpp"
 #include "idem/sim/provider.hpp"
-#include "idem/sqlite_store.hpp"
 
 namespace idem::demo {
 namespace {
@@ -138,11 +136,9 @@ struct PaymentsApi::Impl {
   std::unique_ptr<Coordinator> idem;
   std::unique_ptr<http::Layer> layer;
   http::AsyncHandler create_handler;
-  // Reads of the orders table (the application's own data, beside idem's keys; its writes
-  // are the checkout's local steps, in the key's own transactions).
-  sqlite::BusyPolicy busy{std::chrono::seconds(5), {}};
-  sqlite::Connection db;
-  std::unique_ptr<sqlite::Statement> find_order;
+  // idem's store and the orders table (the application's own data, beside idem's keys; its
+  // writes are the checkout's local steps, in the key's own transactions).
+  std::unique_ptr<Database> db;
   // Operator reads (the whole ledger, page by page) run here, off the io thread.
   net::thread_pool operator_work{1};
   // Purge, reap, the completer and the outbox, on their own thread.
@@ -155,18 +151,22 @@ struct PaymentsApi::Impl {
     if (options.api_keys.empty())
       options.api_keys = {{"sk_test_alpha", "alpha"}, {"sk_test_beta", "beta"}};
     provider = std::make_shared<sim::Provider>(
-        clock,
-        sim::ProviderOptions{.latency = options.provider_latency, .ledger_path = options.ledger});
+        clock, sim::ProviderOptions{.latency = options.provider_latency,
+                                    .dedup = options.provider_dedup,
+                                    .ledger_path = options.ledger});
     mail =
         std::make_unique<sim::MailSender>(clock, sim::MailOptions{.journal_path = options.ledger});
     Options idem_options;
     idem_options.in_flight = options.policy;
     idem_options.ttl = options.ttl;
+    idem_options.lease = options.lease;
+    idem_options.heartbeat = options.lease / 3;
     idem_options.on_store_failure =
         options.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
     idem_options.clock = clock;
-    std::shared_ptr<Store> store = std::make_shared<SqliteStore>(
-        options.db, SqliteOptions{.busy_timeout = options.store_busy_timeout});
+    db = std::make_unique<Database>(
+        options.db, DatabaseOptions{.clock = clock, .busy_timeout = options.store_busy_timeout});
+    std::shared_ptr<Store> store = db->store();
     if (options.replay_cache_bytes > 0) {
       replay_cache = std::make_shared<ReplayCache>(
           store, ReplayCacheOptions{.max_bytes = options.replay_cache_bytes, .clock = clock});
@@ -186,9 +186,6 @@ struct PaymentsApi::Impl {
     };
     layer_options.steps = true;
     layer = std::make_unique<http::Layer>(*idem, std::move(layer_options));
-    create_orders_table(options.db);
-    db = sqlite::open_connection(options.db, &busy);
-    find_order = std::make_unique<sqlite::Statement>(db.get(), sql::kFindOrder);
     create_handler = [this](const Request& r, const http::Context& call) {
       return create(r, call);
     };
@@ -279,17 +276,19 @@ struct PaymentsApi::Impl {
   Reply find(std::string_view id, const std::string& tenant) {
     const std::optional<std::int64_t> seq =
         id.starts_with("pay_") ? positive_number(id.substr(4)) : std::nullopt;
-    sqlite::ResetGuard reset(*find_order);
-    if (seq) {
-      find_order->bind(1, *seq);
-      find_order->bind(2, tenant);
+    std::optional<std::string> order;
+    try {
+      if (seq) order = db->find_order(*seq, tenant);
+    } catch (const StoreError& e) {
+      return problem_reply(503, "store_unavailable", "Payments unavailable",
+                           fmt::format("{}; retry", e.what()));
     }
-    if (!seq || !find_order->step()) {
+    if (!order) {
       return problem_reply(404, "not_found", "No such payment",
                            "no payment with this id for this API key");
     }
     // Re-serialised with sorted keys: the bytes the checkout answered with.
-    return json_reply(200, json::parse(find_order->text(0)));
+    return json_reply(200, json::parse(*order));
   }
 
   // The mail journal (every tenant's mail): GET /v1/mail, an operator route.

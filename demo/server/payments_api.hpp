@@ -22,14 +22,23 @@ class Provider;
 namespace idem::demo {
 
 struct ApiOptions {
-  std::string db;                     // idempotency keys and payments (SQLite file)
+  // Idempotency keys, payments and the outbox: a SQLite file, or a postgresql:// URI for a
+  // database several servers share (database.hpp).
+  std::string db;
   std::string ledger;                 // provider ledger; empty: in memory
   InFlight policy = InFlight::raise;  // a public API should not hold connections
   std::chrono::milliseconds provider_latency{300};
+  // The provider deduplicates on the key it is given (the debit step's derived key). Off, a
+  // second debit of the same payment is a second charge: what tests count to see that idem,
+  // not the provider, kept it to one.
+  bool provider_dedup = true;
   bool fail_closed = false;
   // API key -> tenant. Empty: the two demo keys sk_test_alpha -> alpha, sk_test_beta -> beta.
   std::map<std::string, std::string> api_keys{};
   std::chrono::milliseconds ttl{std::chrono::hours(24)};
+  // How long a server that died mid-request keeps its keys from the others (Options::lease;
+  // renewed every third of it while the request runs).
+  std::chrono::milliseconds lease{std::chrono::seconds(30)};
   std::chrono::milliseconds store_busy_timeout{std::chrono::seconds(5)};
   // Who reads the operator routes (/metrics, /v1/provider/charges, every tenant's data).
   // Empty: clients connecting from operator_addresses, without a tenant's API key. Set:

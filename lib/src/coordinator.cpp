@@ -89,7 +89,17 @@ CoordinatorCore::CoordinatorCore(std::shared_ptr<Store> s, Options o)
     : store(checked(std::move(s), o)),
       options(std::move(o)),
       clock(options.clock ? options.clock : std::make_shared<SystemClock>()),
+      changes(*store, inflight),
       commits(*store) {}
+
+CoordinatorCore::ChangeSubscription::ChangeSubscription(Store& store, InflightRegistry& inflight)
+    : store_(store), id_(store.add_change_listener([&inflight](const KeyId& id) {
+        inflight.changed_elsewhere(id);
+      })) {}
+
+CoordinatorCore::ChangeSubscription::~ChangeSubscription() {
+  if (id_ != 0) store_.remove_change_listener(id_);
+}
 
 Call CoordinatorCore::prepare(const Request& r, bool steps) const {
   validate_key_part("tenant", r.tenant);

@@ -63,6 +63,19 @@ class CoordinatorCore {
   const std::shared_ptr<Clock> clock;
   mutable Counters counters;
   InflightRegistry inflight;
+  // The store's wake-ups from other processes go to `inflight` (declared after it, so it
+  // stops first).
+  class ChangeSubscription {
+   public:
+    ChangeSubscription(Store& store, InflightRegistry& inflight);
+    ~ChangeSubscription();
+    ChangeSubscription(const ChangeSubscription&) = delete;
+    ChangeSubscription& operator=(const ChangeSubscription&) = delete;
+
+   private:
+    Store& store_;
+    std::uint64_t id_;
+  } changes;
   GroupCommit commits;
   ReadFirst read_first;  // whether calls read their key's record before reserving it
 };

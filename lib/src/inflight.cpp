@@ -30,6 +30,17 @@ bool InflightRegistry::subscribe(const KeyId& id, std::int64_t token,
   return e.token == token;
 }
 
+void InflightRegistry::changed_elsewhere(const KeyId& id) {
+  std::vector<std::shared_ptr<Waiter>> to_wake;
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = entries_.find(id);
+    if (it == entries_.end()) return;
+    to_wake = it->second.waiters;  // they stay subscribed: a wake-up may come early
+  }
+  for (auto& w : to_wake) w->wake();
+}
+
 void InflightRegistry::unsubscribe(const KeyId& id, const std::shared_ptr<Waiter>& waiter) {
   std::lock_guard lock(mutex_);
   auto it = entries_.find(id);

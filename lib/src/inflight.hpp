@@ -35,6 +35,10 @@ class InflightRegistry {
 
   void unsubscribe(const KeyId& id, const std::shared_ptr<Waiter>& waiter);
 
+  // Another process completed or released `id` (Store::add_change_listener): wakes its
+  // waiters, which read the store and subscribe again if it is still held.
+  void changed_elsewhere(const KeyId& id);
+
  private:
   struct Entry {
     std::int64_t token = 0;  // 0: not held by this process

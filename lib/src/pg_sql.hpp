@@ -13,6 +13,14 @@ namespace idem::pg_sql {
 inline constexpr const char* kBegin = "BEGIN";
 inline constexpr const char* kCommit = "COMMIT";
 inline constexpr const char* kRollback = "ROLLBACK";
+
+// Wake-ups (PgOptions::notify). A format string: the channel as a quoted identifier.
+inline constexpr std::string_view kListen = "LISTEN {}";
+// $1 the channel, $2 a JSON array of payloads (each [tenant, operation, key] as JSON): one
+// statement per batch, so its transaction takes NOTIFY's commit lock once; delivered to the
+// listeners when the batch commits, never if it rolls back.
+inline constexpr const char* kNotify =
+    "SELECT pg_notify($1, value) FROM json_array_elements_text($2::json)";
 // A format string: the limit in milliseconds.
 inline constexpr std::string_view kStatementTimeout = "SET statement_timeout = {}";
 // idem_reserve and the token-checked writes are written for READ COMMITTED (each statement
@@ -20,6 +28,9 @@ inline constexpr std::string_view kStatementTimeout = "SET statement_timeout = {
 // a duplicate's reservation into a serialization failure instead of "existing".
 inline constexpr const char* kReadCommitted =
     "SET default_transaction_isolation = 'read committed'";
+// A format string: the quoted schema. Local steps' unqualified names (the application's
+// tables) resolve in the store's schema first; idem's own statements name it explicitly.
+inline constexpr std::string_view kSearchPath = "SET search_path = {}, public";
 // A format string: a quoted literal naming the schema. Nodes that start together migrate one
 // after another; the lock ends with the transaction.
 inline constexpr std::string_view kMigrationLock = "SELECT pg_advisory_xact_lock(hashtext({}))";
@@ -306,5 +317,54 @@ inline constexpr std::string_view kOutboxPurge = R"sql(
 DELETE FROM {s}.idem_outbox
 WHERE id IN (SELECT id FROM {s}.idem_outbox WHERE state = 1 AND next_at < $1::bigint
              LIMIT $2::bigint FOR UPDATE SKIP LOCKED))sql";
+
+// migrate_sqlite_to_pg (idem/migrate.hpp): one record copied from SQLite, all its columns.
+// $4 fingerprint $5 state $6 token $7 lease_until $8 created_at $9 expires_at $10 status
+// $11 headers $12 body $13 body_ref $14 recovery_point $15 progress $16 request $17 how many ms
+// two times may differ and still count as one (two measurements of the clock's offset differ)
+// $18 1: only bring an existing row up to date, never insert one. Written only over a row at a
+// lower token, or at the same token (an earlier copy) that differs; never over a row at a
+// higher token (reserved or taken over here since). Returns whether it wrote (0 or 1) and the
+// row's token before (NULL: there was none; the main query sees what the WITH saw).
+inline constexpr std::string_view kImportRecord = R"sql(
+WITH written AS (
+  INSERT INTO {s}.idem_keys AS k (tenant, operation, key, fingerprint, state, token, lease_until,
+                                  created_at, expires_at, status, headers, body, body_ref,
+                                  recovery_point, progress, request)
+  SELECT $1::text, $2::text, $3::text, $4::bytea, $5::smallint, $6::bigint, $7::bigint,
+         $8::bigint, $9::bigint, $10::integer, $11::text, $12::bytea, $13::text, $14::text,
+         $15::text, $16::bytea
+  WHERE $18::integer = 0
+     OR EXISTS (SELECT 1 FROM {s}.idem_keys WHERE tenant = $1 AND operation = $2 AND key = $3)
+  ON CONFLICT (tenant, operation, key) DO UPDATE
+  SET fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state, token = EXCLUDED.token,
+      lease_until = EXCLUDED.lease_until, created_at = EXCLUDED.created_at,
+      expires_at = EXCLUDED.expires_at, status = EXCLUDED.status, headers = EXCLUDED.headers,
+      body = EXCLUDED.body, body_ref = EXCLUDED.body_ref,
+      recovery_point = EXCLUDED.recovery_point, progress = EXCLUDED.progress,
+      request = EXCLUDED.request
+  WHERE k.token < EXCLUDED.token
+     OR (k.token = EXCLUDED.token
+         AND ((k.fingerprint, k.state, k.status, k.headers, k.body, k.body_ref, k.recovery_point,
+               k.progress, k.request)
+              IS DISTINCT FROM
+              (EXCLUDED.fingerprint, EXCLUDED.state, EXCLUDED.status, EXCLUDED.headers,
+               EXCLUDED.body, EXCLUDED.body_ref, EXCLUDED.recovery_point, EXCLUDED.progress,
+               EXCLUDED.request)
+              OR abs(k.lease_until - EXCLUDED.lease_until) > $17::bigint
+              OR abs(k.created_at - EXCLUDED.created_at) > $17::bigint
+              OR abs(k.expires_at - EXCLUDED.expires_at) > $17::bigint))
+  RETURNING 1)
+SELECT (SELECT count(*) FROM written),
+       (SELECT token FROM {s}.idem_keys WHERE tenant = $1 AND operation = $2 AND key = $3))sql";
+
+// migrate_sqlite_to_pg: one outbox message copied from SQLite, as it is there. $1 id $2 topic
+// $3 payload $4 key_hash $5 state $6 attempts $7 next_at $8 created_at $9 last_error. A message
+// already here (an earlier run's copy, perhaps delivered since) is left alone.
+inline constexpr std::string_view kImportMessage = R"sql(
+INSERT INTO {s}.idem_outbox (id, topic, payload, key_hash, state, attempts, next_at, created_at,
+                             last_error)
+VALUES ($1, $2, $3::bytea, $4, $5::smallint, $6::integer, $7::bigint, $8::bigint, $9::text)
+ON CONFLICT (id) DO NOTHING)sql";
 
 }  // namespace idem::pg_sql

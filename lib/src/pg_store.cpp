@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <tuple>
@@ -15,6 +16,8 @@
 #include "fair_mutex.hpp"
 #include "idem/errors.hpp"
 #include "idem/key.hpp"
+#include "pg_import.hpp"
+#include "pg_listener.hpp"
 #include "pg_sql.hpp"
 #include "record_codec.hpp"
 
@@ -30,6 +33,12 @@ constexpr Oid kBoolOid = 16, kByteaOid = 17, kInt8Oid = 20, kInt2Oid = 21, kInt4
 // A batch goes in one pipeline and one transaction up to this many ops; a longer one is split
 // (each part its own transaction), so neither side's socket buffer fills while the other waits.
 constexpr std::size_t kMaxPipelineOps = 128;
+
+// On the database's clock, how far apart an imported time and an earlier copy of it may be and
+// still count as the same time (PgImport::records): each run measures the clock's offset anew,
+// within half a round trip. A real change moves a time further (a renewal: by a heartbeat) or
+// changes another column too (a completion, a release).
+constexpr std::chrono::milliseconds kImportClockSlack{1000};
 
 struct ResultDeleter {
   void operator()(PGresult* r) const noexcept { PQclear(r); }
@@ -197,29 +206,20 @@ enum Stmt : int {
   kOutboxCounts,
   kOutboxPurge,
   kNow,
+  kImportRecord,
+  kImportMessage,
   kStatementCount
 };
 
-constexpr std::array<std::string_view, kStatementCount> kTexts = {pg_sql::kReserve,
-                                                                  pg_sql::kStoreIfAbsent,
-                                                                  pg_sql::kLoad,
-                                                                  pg_sql::kComplete,
-                                                                  pg_sql::kRelease,
-                                                                  pg_sql::kRenew,
-                                                                  pg_sql::kSetRecoveryPoint,
-                                                                  pg_sql::kPurge,
-                                                                  pg_sql::kReap,
-                                                                  pg_sql::kLoadProgress,
-                                                                  pg_sql::kBeginSteps,
-                                                                  pg_sql::kSetProgress,
-                                                                  pg_sql::kAbandoned,
-                                                                  pg_sql::kOutboxInsert,
-                                                                  pg_sql::kOutboxClaim,
-                                                                  pg_sql::kOutboxDelivered,
-                                                                  pg_sql::kOutboxFailed,
-                                                                  pg_sql::kOutboxCounts,
-                                                                  pg_sql::kOutboxPurge,
-                                                                  pg_sql::kNow};
+constexpr std::array<std::string_view, kStatementCount> kTexts = {
+    pg_sql::kReserve,          pg_sql::kStoreIfAbsent, pg_sql::kLoad,
+    pg_sql::kComplete,         pg_sql::kRelease,       pg_sql::kRenew,
+    pg_sql::kSetRecoveryPoint, pg_sql::kPurge,         pg_sql::kReap,
+    pg_sql::kLoadProgress,     pg_sql::kBeginSteps,    pg_sql::kSetProgress,
+    pg_sql::kAbandoned,        pg_sql::kOutboxInsert,  pg_sql::kOutboxClaim,
+    pg_sql::kOutboxDelivered,  pg_sql::kOutboxFailed,  pg_sql::kOutboxCounts,
+    pg_sql::kOutboxPurge,      pg_sql::kNow,           pg_sql::kImportRecord,
+    pg_sql::kImportMessage};
 
 std::string statement_name(Stmt s) { return fmt::format("idem_{}", static_cast<int>(s)); }
 
@@ -279,6 +279,16 @@ struct PgStore::Impl {
   SteadyClock::time_point measured{};
   std::atomic<std::int64_t> offset{0};
   std::atomic<std::uint64_t> transactions{0}, committed_ops{0}, round_trips{0}, connects{0};
+  std::atomic<std::uint64_t> notify_batches{0}, wakeups{0};
+  // Wake-ups (PgOptions::notify): the channel (pg_notify's argument), the write
+  // connection's backend (its own notifications are not news to this process), the
+  // listeners and the LISTEN connection, started with the first listener.
+  std::string channel;
+  std::atomic<int> own_backend{0};
+  std::mutex listeners_mutex;  // held while a listener runs, so removing one waits for it
+  std::map<std::uint64_t, ChangeListener> listeners;
+  std::uint64_t next_listener = 1;
+  std::unique_ptr<detail::PgListener> listener;  // guarded by listeners_mutex
 
   Impl(std::string info, PgOptions o) : conninfo(std::move(info)), options(std::move(o)) {
     if (options.schema.empty() || options.schema.find('$') != std::string::npos) {
@@ -312,7 +322,9 @@ struct PgStore::Impl {
     next_attempt = SteadyClock::now();  // the first reconnection is tried at once
   }
 
-  void connect() {
+  // A new connection with idem's defaults (a bad one if the server cannot be reached; null
+  // only when out of memory).
+  PGconn* open_connection() const {
     // Defaults for what the conninfo leaves unset (it is expanded after them, so its own
     // values win): without them a server that vanishes without a reset (a failover, a
     // partition) would hold a call, and every thread queued behind the store's lock, for
@@ -328,7 +340,11 @@ struct PgStore::Impl {
                               "dbname",
                               nullptr};
     const char* values[] = {"5", "5", "2", "3", user_timeout.c_str(), conninfo.c_str(), nullptr};
-    PGconn* c = PQconnectdbParams(keywords, values, 1);
+    return PQconnectdbParams(keywords, values, 1);
+  }
+
+  void connect() {
+    PGconn* c = open_connection();
     if (c == nullptr || PQstatus(c) != CONNECTION_OK) {
       const std::string why = c != nullptr ? PQerrorMessage(c) : "out of memory";
       if (c != nullptr) PQfinish(c);
@@ -347,6 +363,8 @@ struct PgStore::Impl {
       simple(
           fmt::format(fmt::runtime(pg_sql::kStatementTimeout), options.statement_timeout.count()));
       simple(pg_sql::kReadCommitted);
+      simple(fmt::format(fmt::runtime(pg_sql::kSearchPath), schema));
+      own_backend.store(PQbackendPID(conn), std::memory_order_relaxed);
       connects.fetch_add(1, std::memory_order_relaxed);
     } catch (...) {
       if (conn != nullptr) PQfinish(conn);
@@ -646,6 +664,11 @@ struct PgStore::Impl {
       sent = PQsendQueryPrepared(conn, statement_name(statement_of(*ops[i])).c_str(), p.count(),
                                  p.values(), p.lengths(), p.formats(), 1) == 1;
     }
+    const std::string payload = notify_payload(ops);
+    if (sent && !payload.empty()) {
+      const char* values[] = {notify_channel().c_str(), payload.c_str()};
+      sent = PQsendQueryParams(conn, pg_sql::kNotify, 2, nullptr, values, nullptr, nullptr, 0) == 1;
+    }
     sent = sent &&
            PQsendQueryParams(conn, pg_sql::kCommit, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
     sent = sent && PQpipelineSync(conn) == 1;
@@ -658,7 +681,7 @@ struct PgStore::Impl {
     // Results: BEGIN, each op, COMMIT (each followed by a null), then the sync.
     std::vector<Result> results;
     bool ok = true;
-    const std::size_t commands = ops.size() + 2;
+    const std::size_t commands = ops.size() + 2 + (payload.empty() ? 0 : 1);
     for (std::size_t i = 0; i < commands; ++i) {
       Result r(PQgetResult(conn));
       if (!r) {
@@ -696,7 +719,53 @@ struct PgStore::Impl {
     }
     transactions.fetch_add(1, std::memory_order_relaxed);
     committed_ops.fetch_add(ops.size(), std::memory_order_relaxed);
+    if (!payload.empty()) notify_batches.fetch_add(1, std::memory_order_relaxed);
     return Pipelined::committed;
+  }
+
+  // ---- wake-ups ----
+
+  // The channel: "idem:" and the schema's name.
+  const std::string& notify_channel() {
+    if (channel.empty()) channel = "idem:" + options.schema;
+    return channel;
+  }
+  // The channel as LISTEN names it (an identifier, quoted by hand: the listener's thread has
+  // no connection yet to quote it with).
+  std::string quoted_channel() {
+    std::string q = "\"";
+    for (char ch : notify_channel()) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+    return q + "\"";
+  }
+
+  static bool wakes(const StoreOp& op) {
+    return op.kind == StoreOp::Kind::complete || op.kind == StoreOp::Kind::release;
+  }
+
+  // The payload of the batch's NOTIFY: a JSON array of [tenant, operation, key] texts; empty
+  // when no op wakes anyone (or notify is off).
+  std::string notify_payload(std::span<StoreOp* const> ops) const {
+    if (!options.notify) return {};
+    nlohmann::json all = nlohmann::json::array();
+    for (const StoreOp* op : ops) {
+      if (wakes(*op))
+        all.push_back(
+            nlohmann::json::array({op->id->tenant, op->id->operation, op->id->key}).dump());
+    }
+    return all.empty() ? std::string() : all.dump();
+  }
+
+  // A notification reached the listener's thread.
+  void notified(std::string_view payload, int sender) {
+    if (sender == own_backend.load(std::memory_order_relaxed)) return;  // our own commit
+    const nlohmann::json j = nlohmann::json::parse(payload, nullptr, false);
+    if (!j.is_array() || j.size() != 3 || !j[0].is_string() || !j[1].is_string() ||
+        !j[2].is_string())
+      return;  // not idem's: ignore
+    const KeyId id{j[0].get<std::string>(), j[1].get<std::string>(), j[2].get<std::string>()};
+    wakeups.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard lock(listeners_mutex);
+    for (const auto& entry : listeners) entry.second(id);
   }
 
   // ---- multi-step operations ----
@@ -736,6 +805,8 @@ class PgLocal final : public LocalTransaction {
         origin_(origin),
         step_(step),
         now_db_(now_db) {}
+
+  Dialect dialect() const noexcept override { return Dialect::postgresql; }
 
   std::vector<Row> execute(std::string_view sql, std::initializer_list<Value> params) override {
     Params p;
@@ -837,7 +908,40 @@ PgStore::Stats PgStore::stats() const {
   return Stats{impl_->transactions.load(std::memory_order_relaxed),
                impl_->committed_ops.load(std::memory_order_relaxed),
                impl_->round_trips.load(std::memory_order_relaxed),
-               impl_->connects.load(std::memory_order_relaxed)};
+               impl_->connects.load(std::memory_order_relaxed),
+               impl_->notify_batches.load(std::memory_order_relaxed),
+               impl_->wakeups.load(std::memory_order_relaxed)};
+}
+
+std::uint64_t PgStore::add_change_listener(ChangeListener listener) {
+  Impl& d = *impl_;
+  if (!d.options.notify) return 0;
+  std::lock_guard lock(d.listeners_mutex);
+  const std::uint64_t id = d.next_listener++;
+  d.listeners.emplace(id, std::move(listener));
+  if (!d.listener) {
+    d.listener = std::make_unique<detail::PgListener>(
+        [&d] {
+          PGconn* c = d.open_connection();
+          if (c != nullptr) PQsetNoticeProcessor(c, ignore_notice, nullptr);
+          return c;
+        },
+        fmt::format(fmt::runtime(pg_sql::kListen), d.quoted_channel()),
+        [&d](std::string_view payload, int sender) { d.notified(payload, sender); },
+        d.options.reconnect_min, d.options.reconnect_max);
+  }
+  return id;
+}
+
+void PgStore::remove_change_listener(std::uint64_t id) {
+  Impl& d = *impl_;
+  std::unique_ptr<detail::PgListener> stopped;
+  {
+    std::lock_guard lock(d.listeners_mutex);  // waits for a listener that is running
+    d.listeners.erase(id);
+    if (d.listeners.empty()) stopped = std::move(d.listener);
+  }
+  stopped.reset();  // joins the thread, outside the lock its callback takes
 }
 
 std::chrono::milliseconds PgStore::clock_offset() const {
@@ -848,7 +952,8 @@ void PgStore::apply(std::span<StoreOp* const> ops) {
   if (ops.empty()) return;
   Impl& d = *impl_;
   std::lock_guard lock(d.mutex);
-  if (ops.size() == 1) {
+  // One op alone is one statement; one that wakes others goes with its NOTIFY in a pipeline.
+  if (ops.size() == 1 && (!d.options.notify || !Impl::wakes(*ops[0]))) {
     d.apply_single(*ops[0]);
     return;
   }
@@ -1099,5 +1204,95 @@ std::size_t PgStore::purge_outbox(TimePoint delivered_before, std::size_t limit)
     return static_cast<std::size_t>(Impl::changed(d.run(kOutboxPurge, p).get()));
   });
 }
+
+// ---- migrate_sqlite_to_pg's writes ----
+
+namespace detail {
+namespace {
+
+void optional_text(Params& p, const std::optional<std::string>& v) {
+  if (v) {
+    p.text(*v);
+  } else {
+    p.null();
+  }
+}
+
+}  // namespace
+
+std::vector<PgImport::Outcome> PgImport::records(PgStore& store, std::span<const RecordRow> rows) {
+  PgStore::Impl& d = *store.impl_;
+  return d.locked([&] {
+    const Shift sh = d.shift();
+    const std::int64_t slack = d.options.clock == PgClock::caller ? 0 : kImportClockSlack.count();
+    std::vector<Outcome> out;
+    out.reserve(rows.size());
+    PgStore::Impl::Transaction t(d);
+    for (const RecordRow& row : rows) {
+      Params p;
+      p.id(row.id)
+          .bytes(row.fingerprint)
+          .integer(row.state)
+          .integer(row.token)
+          .integer(sh.to_db(row.lease_until))
+          .integer(sh.to_db(row.created_at))
+          .integer(sh.to_db(row.expires_at));
+      if (row.status) {
+        p.integer(*row.status);
+      } else {
+        p.null();
+      }
+      optional_text(p, row.headers);
+      optional_text(p, row.body);
+      optional_text(p, row.body_ref);
+      optional_text(p, row.recovery_point);
+      optional_text(p, row.progress);
+      optional_text(p, row.request);
+      p.integer(slack).integer(row.refresh_only ? 1 : 0);
+      Result r = d.run(kImportRecord, p);
+      if (PQntuples(r.get()) != 1) throw StoreError("postgresql: an import returned no row", 0);
+      if (int_at(r.get(), 0, 0) == 1) {
+        out.push_back(Outcome::written);
+      } else if (is_null(r.get(), 0, 1)) {
+        out.push_back(Outcome::absent);
+      } else {
+        out.push_back(int_at(r.get(), 0, 1) > row.token ? Outcome::newer : Outcome::unchanged);
+      }
+    }
+    t.commit();
+    return out;
+  });
+}
+
+std::vector<bool> PgImport::messages(PgStore& store, std::span<const MessageRow> rows) {
+  PgStore::Impl& d = *store.impl_;
+  return d.locked([&] {
+    const Shift sh = d.shift();
+    std::vector<bool> out;
+    out.reserve(rows.size());
+    PgStore::Impl::Transaction t(d);
+    for (const MessageRow& row : rows) {
+      Params p;
+      p.text(row.id)
+          .text(row.topic)
+          .bytes(row.payload)
+          .text(row.key_hash)
+          .integer(row.state)
+          .integer(row.attempts)
+          .integer(sh.to_db(row.next_at))
+          .integer(sh.to_db(row.created_at));
+      if (row.last_error) {
+        p.text(valid_utf8(*row.last_error));
+      } else {
+        p.null();
+      }
+      out.push_back(PgStore::Impl::changed(d.run(kImportMessage, p).get()) == 1);
+    }
+    t.commit();
+    return out;
+  });
+}
+
+}  // namespace detail
 
 }  // namespace idem

@@ -236,4 +236,23 @@ WHERE (tenant, operation, key) IN (
   ORDER BY expires_at LIMIT ?2)
 RETURNING tenant, operation, key, token, lease_until)sql";
 
+// migrate_sqlite_to_pg (idem/migrate.hpp) reads the store with these.
+// The tables an idem store has (2 in one of schema version 3 or later).
+inline constexpr std::string_view kIdemTables = R"sql(
+SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name IN ('idem_keys', 'idem_outbox'))sql";
+
+// ?1..?3 the last key of the previous batch ('', '', '' for the first) ?4 limit. Every column,
+// in key order (the primary key's).
+inline constexpr std::string_view kExportRecords = R"sql(
+SELECT tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at,
+       status, headers, body, body_ref, recovery_point, progress, request
+FROM idem_keys WHERE (tenant, operation, key) > (?1, ?2, ?3)
+ORDER BY tenant, operation, key LIMIT ?4)sql";
+
+// ?1 the last id of the previous batch ('' for the first) ?2 limit. Messages not yet
+// delivered (pending or parked), in id order.
+inline constexpr std::string_view kExportOutbox = R"sql(
+SELECT id, topic, payload, key_hash, state, attempts, next_at, created_at, last_error
+FROM idem_outbox WHERE state <> 1 AND id > ?1 ORDER BY id LIMIT ?2)sql";
+
 }  // namespace idem::sql

@@ -38,6 +38,8 @@ class SqliteLocal final : public LocalTransaction {
         step_(step),
         now_(now) {}
 
+  Dialect dialect() const noexcept override { return Dialect::sqlite; }
+
   std::vector<Row> execute(std::string_view sql, std::initializer_list<Value> params) override {
     auto it = cache_.find(sql);
     if (it == cache_.end())

@@ -56,6 +56,8 @@ std::vector<OutboxMessage> Store::claim_outbox(TimePoint, TimePoint, std::size_t
 bool Store::outbox_delivered(const std::string&, TimePoint) { no_steps(); }
 void Store::outbox_failed(const std::string&, TimePoint, bool, const std::string&) { no_steps(); }
 OutboxCounts Store::outbox_counts() { no_steps(); }
+std::uint64_t Store::add_change_listener(ChangeListener) { return 0; }
+void Store::remove_change_listener(std::uint64_t) {}
 std::size_t Store::purge_outbox(TimePoint, std::size_t) { no_steps(); }
 
 namespace {

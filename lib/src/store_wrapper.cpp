@@ -78,6 +78,12 @@ void StoreWrapper::outbox_failed(const std::string& id, TimePoint retry_at, bool
 
 OutboxCounts StoreWrapper::outbox_counts() { return target_->outbox_counts(); }
 
+std::uint64_t StoreWrapper::add_change_listener(ChangeListener listener) {
+  return target_->add_change_listener(std::move(listener));
+}
+
+void StoreWrapper::remove_change_listener(std::uint64_t id) { target_->remove_change_listener(id); }
+
 std::size_t StoreWrapper::purge_outbox(TimePoint delivered_before, std::size_t limit) {
   return target_->purge_outbox(delivered_before, limit);
 }

@@ -13,6 +13,10 @@
 
 namespace idem {
 
+namespace detail {
+struct PgImport;  // migrate_sqlite_to_pg's writes (idem/migrate.hpp)
+}  // namespace detail
+
 // Whose clock the times in the database are on.
 //  - database: the server's (clock_timestamp()). Every node's times are moved onto it by an
 //    offset between PgOptions::local_clock and the server's clock, measured on connect and
@@ -41,6 +45,16 @@ struct PgOptions {
   // operation fails at once with StoreError (retryable).
   std::chrono::milliseconds reconnect_min{50};
   std::chrono::milliseconds reconnect_max{2000};
+  // Wake duplicates waiting in other processes (LISTEN/NOTIFY): each batch that completes or
+  // releases keys notifies them in its own transaction (one NOTIFY statement per batch, in
+  // the same round trip), and each Coordinator on this store gets them on a second
+  // connection that LISTENs, opened with its first Coordinator. Waiters poll the store all
+  // the same (Options::poll_max), so a notification lost (a listener reconnecting, a
+  // transaction-pooling proxy, which does not carry them) costs latency, never correctness.
+  // Cost: NOTIFY takes a database-wide lock while its transaction commits, serialising the
+  // commits of every node that notifies (scripts/bench measures it). false: waiters in other
+  // processes only poll. Default: true.
+  bool notify = true;
 };
 
 // A Store on a PostgreSQL database (libpq), shared by threads of this process (one
@@ -86,8 +100,9 @@ class PgStore final : public BatchedStore {
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
                     const std::string& step) override;
-  // Local steps run their statements (PostgreSQL's dialect, parameters $1..$N) on this
-  // store's connection inside its transaction; they must not begin, commit or roll back
+  // Local steps run their statements (PostgreSQL's dialect, parameters $1..$N, search_path
+  // the store's schema then public, so the application's tables may live beside idem's) on
+  // this store's connection inside its transaction; they must not begin, commit or roll back
   // transactions of their own. Unlike SQLite, a statement that fails aborts the whole
   // transaction: a step that catches execute()'s StoreError cannot go on (the step fails). Integers
   // and doubles are sent as text and strings as raw bytes, so a string parameter fits a text or a
@@ -107,14 +122,21 @@ class PgStore final : public BatchedStore {
   std::size_t purge_expired(TimePoint now, std::size_t limit) override;
   std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
   void apply(std::span<StoreOp* const> ops) override;
+  // PgOptions::notify: wake-ups from other processes (Store::add_change_listener). Throws
+  // std::system_error if the listener's thread cannot start.
+  std::uint64_t add_change_listener(ChangeListener listener) override;
+  void remove_change_listener(std::uint64_t id) override;
 
   // How many write transactions committed, how many ops they carried, how many round trips
-  // the store made and how often it connected (for benchmarks and tests).
+  // the store made and how often it connected; how many batches sent notifications and how
+  // many notifications from other processes reached the listeners (for benchmarks and tests).
   struct Stats {
     std::uint64_t transactions = 0;
     std::uint64_t ops = 0;
     std::uint64_t round_trips = 0;
     std::uint64_t connects = 0;
+    std::uint64_t notify_batches = 0;
+    std::uint64_t wakeups = 0;
   };
   Stats stats() const;
   // The offset added to the caller's times to put them on the database's clock (0 with
@@ -122,6 +144,7 @@ class PgStore final : public BatchedStore {
   std::chrono::milliseconds clock_offset() const;
 
  private:
+  friend struct detail::PgImport;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

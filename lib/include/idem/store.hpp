@@ -111,9 +111,13 @@ class LocalTransaction {
  public:
   using Value = std::variant<std::nullptr_t, std::int64_t, double, std::string>;
   using Row = std::vector<Value>;
+  // Which SQL execute() speaks, for steps written for both engines.
+  enum class Dialect { sqlite, postgresql };
   virtual ~LocalTransaction() = default;
-  // Runs one statement in the store's SQL dialect (SqliteStore: SQLite, parameters ?1..?N)
-  // and returns its rows. Throws StoreError (the whole step rolls back).
+  virtual Dialect dialect() const noexcept = 0;
+  // Runs one statement in the store's SQL dialect (SqliteStore: SQLite, parameters ?1..?N;
+  // PgStore: PostgreSQL, $1..$N, unqualified names resolved in the store's schema, then
+  // public) and returns its rows. Throws StoreError (the whole step rolls back).
   virtual std::vector<Row> execute(std::string_view sql,
                                    std::initializer_list<Value> params = {}) = 0;
   // Rows changed by the last INSERT, UPDATE or DELETE that execute() ran.
@@ -286,6 +290,18 @@ class Store {
   // Deletes up to `limit` in_progress records whose lease ended before `lease_ended_before`
   // and returns them. Records with Progress are left to the completer: money may have moved.
   virtual std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) = 0;
+
+  // Wake-ups across processes. A store that learns when a key was completed or released
+  // (PgStore: LISTEN/NOTIFY) calls every listener with the key's id, on a thread of its own;
+  // the Coordinator adds one and wakes its duplicates waiting on that key, which then read
+  // the store. They poll all the same (Options::poll_max): a lost wake-up costs latency,
+  // never correctness. add_change_listener returns an id for remove_change_listener, or 0
+  // when the store has no wake-ups (the default; SQLite's waiters in other processes poll).
+  // After remove_change_listener returns, its listener is not running and is never called
+  // again. A listener must not call back into the store.
+  using ChangeListener = std::function<void(const KeyId&)>;
+  virtual std::uint64_t add_change_listener(ChangeListener listener);
+  virtual void remove_change_listener(std::uint64_t id);
 };
 
 // A Store whose four single writes (reserve, complete, release, store_if_absent) are each its

@@ -50,6 +50,8 @@ class StoreWrapper : public Store {
   std::size_t purge_outbox(TimePoint delivered_before, std::size_t limit) override;
   std::size_t purge_expired(TimePoint now, std::size_t limit) override;
   std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
+  std::uint64_t add_change_listener(ChangeListener listener) override;
+  void remove_change_listener(std::uint64_t id) override;
 
  private:
   std::shared_ptr<Store> target_;

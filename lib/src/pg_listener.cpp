@@ -1,0 +1,81 @@
+#include "pg_listener.hpp"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <system_error>
+
+namespace idem::detail {
+
+PgListener::PgListener(Connect connect, std::string listen, Notify notify,
+                       std::chrono::milliseconds reconnect_min,
+                       std::chrono::milliseconds reconnect_max)
+    : connect_(std::move(connect)),
+      listen_(std::move(listen)),
+      notify_(std::move(notify)),
+      reconnect_min_(reconnect_min),
+      reconnect_max_(reconnect_max),
+      stop_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+  if (stop_fd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+  thread_ = std::thread([this] { run(); });
+}
+
+PgListener::~PgListener() {
+  const std::uint64_t one = 1;
+  [[maybe_unused]] const ssize_t n = ::write(stop_fd_, &one, sizeof one);
+  thread_.join();
+  ::close(stop_fd_);
+}
+
+bool PgListener::stopping_within(std::chrono::milliseconds d) const {
+  pollfd p{stop_fd_, POLLIN, 0};
+  return ::poll(&p, 1, static_cast<int>(d.count())) > 0;
+}
+
+PGconn* PgListener::open() {
+  PGconn* c = connect_();
+  if (c == nullptr) return nullptr;
+  if (PQstatus(c) == CONNECTION_OK) {
+    PGresult* r = PQexec(c, listen_.c_str());
+    const bool ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+    PQclear(r);
+    if (ok) return c;
+  }
+  PQfinish(c);
+  return nullptr;
+}
+
+void PgListener::run() {
+  std::chrono::milliseconds backoff = reconnect_min_;
+  PGconn* c = nullptr;
+  for (;;) {
+    if (c == nullptr) {
+      c = open();
+      if (c == nullptr) {
+        if (stopping_within(backoff)) break;
+        backoff = std::min(backoff * 2, reconnect_max_);
+        continue;
+      }
+      backoff = reconnect_min_;
+    }
+    pollfd fds[2] = {{PQsocket(c), POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) continue;  // EINTR
+    if (fds[1].revents != 0) break;
+    if (PQconsumeInput(c) == 0 || PQstatus(c) != CONNECTION_OK) {  // lost: open another
+      PQfinish(c);
+      c = nullptr;
+      continue;
+    }
+    while (PGnotify* n = PQnotifies(c)) {
+      notify_(n->extra != nullptr ? std::string_view(n->extra) : std::string_view(), n->be_pid);
+      PQfreemem(n);
+    }
+  }
+  if (c != nullptr) PQfinish(c);
+}
+
+}  // namespace idem::detail

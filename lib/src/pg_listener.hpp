@@ -1,0 +1,49 @@
+// PgStore's wake-ups from other nodes: a connection of its own that LISTENs on the store's
+// channel, on a thread of its own, and hands each notification's payload to a callback.
+#pragma once
+
+#include <libpq-fe.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <thread>
+
+namespace idem::detail {
+
+// Thread-safety: constructed and destroyed by one thread; the callback runs on the
+// listener's thread.
+class PgListener {
+ public:
+  // Opens a connection (a usable one or a bad one; null only when out of memory).
+  using Connect = std::function<PGconn*()>;
+  // A notification's payload and the backend pid of the session that sent it.
+  using Notify = std::function<void(std::string_view payload, int sender_pid)>;
+
+  // Starts the thread. `listen` is the LISTEN statement. A lost connection is opened again
+  // after reconnect_min, doubling up to reconnect_max; notifications sent meanwhile are lost
+  // (waiters poll the store all the same). Throws std::system_error if the thread cannot
+  // start.
+  PgListener(Connect connect, std::string listen, Notify notify,
+             std::chrono::milliseconds reconnect_min, std::chrono::milliseconds reconnect_max);
+  // Stops the thread: after it returns, the callback is not running and never runs again.
+  ~PgListener();
+  PgListener(const PgListener&) = delete;
+  PgListener& operator=(const PgListener&) = delete;
+
+ private:
+  void run();
+  PGconn* open();
+  // Waits up to `d` for stop; returns true if stopping.
+  bool stopping_within(std::chrono::milliseconds d) const;
+
+  Connect connect_;
+  std::string listen_;
+  Notify notify_;
+  std::chrono::milliseconds reconnect_min_, reconnect_max_;
+  int stop_fd_;  // an eventfd: readable once the destructor asks the thread to stop
+  std::thread thread_;
+};
+
+}  // namespace idem::detail
