@@ -314,10 +314,10 @@ TEST_CASE("postgresql: a duplicate waiting in another node is woken by NOTIFY, n
   // Node B's clock never moves: its poll timer, its lease check and its give-up never fire,
   // so only a wake-up can end its wait. Node A holds the key until the test lets it go.
   auto frozen = std::make_shared<idem::sim::SimulatedClock>();
-  auto a_store = std::make_shared<idem::PgStore>(
-      e.conninfo, idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller});
-  auto b_store = std::make_shared<idem::PgStore>(
-      e.conninfo, idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller});
+  const idem::PgOptions notifying{
+      .schema = e.schema, .clock = idem::PgClock::caller, .notify = true};
+  auto a_store = std::make_shared<idem::PgStore>(e.conninfo, notifying);
+  auto b_store = std::make_shared<idem::PgStore>(e.conninfo, notifying);
   idem::Coordinator node_a(a_store, idem::Options{.clock = frozen});
   idem::Coordinator node_b(b_store,
                            idem::Options{.in_flight = idem::InFlight::wait, .clock = frozen});

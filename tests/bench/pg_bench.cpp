@@ -272,8 +272,9 @@ Stats idem_async(Coordinator& idem, std::size_t n, std::size_t inflight, Clock::
   return summarize(std::move(lat), micros_since(t0) / 1e6);
 }
 
-Stats idem_fresh(const std::string& conninfo, std::size_t n, Clock::duration budget, Work& work) {
-  auto store = fresh_store(conninfo, "bench_fresh");
+Stats idem_fresh(const std::string& conninfo, std::size_t n, Clock::duration budget, Work& work,
+                 bool notify = false) {
+  auto store = fresh_store(conninfo, "bench_fresh", PgOptions{.notify = notify});
   Coordinator idem(store, {});
   work.before = store->stats();
   const Stats s = idem_blocking(idem, n, budget, [](std::size_t i) { return key_of(i, "i"); });
@@ -282,8 +283,8 @@ Stats idem_fresh(const std::string& conninfo, std::size_t n, Clock::duration bud
 }
 
 Stats idem_concurrent(const std::string& conninfo, std::size_t n, std::size_t inflight,
-                      Clock::duration budget, Work& work) {
-  auto store = fresh_store(conninfo, "bench_async");
+                      Clock::duration budget, Work& work, bool notify = false) {
+  auto store = fresh_store(conninfo, "bench_async", PgOptions{.notify = notify});
   Coordinator idem(store, {});
   work.before = store->stats();
   const Stats s =
@@ -333,22 +334,22 @@ std::string to_string(PgWake wake) {
   switch (wake) {
     case PgWake::poll:
       return "poll";
+    case PgWake::notify:
+      return "notify";
   }
   return "?";
 }
 
 PgWake parse_wake(std::string_view name) {
   if (name == "poll") return PgWake::poll;
+  if (name == "notify") return PgWake::notify;
   fail(fmt::format("unknown wake-up '{}'", name));
 }
 
 // Both nodes' store options for `wake` (the holder's too: a wake-up would be sent by it).
 PgOptions node_store_options(PgWake wake) {
   PgOptions o;
-  switch (wake) {
-    case PgWake::poll:
-      break;
-  }
+  o.notify = wake == PgWake::notify;
   return o;
 }
 
@@ -357,6 +358,10 @@ Options waiter_options(PgWake wake) {
   Options o;  // InFlight::wait
   switch (wake) {
     case PgWake::poll:  // Options::poll_initial, poll_max: every 1 ms, doubling up to 8 ms
+      break;
+    case PgWake::notify:  // woken by NOTIFY; the poll is only the safety net
+      o.poll_initial = std::chrono::milliseconds(50);
+      o.poll_max = std::chrono::milliseconds(1000);
       break;
   }
   return o;
@@ -551,6 +556,13 @@ json run_pg(const PgBenchConfig& c, std::ostream* human) {
       "{:.2f} transactions a call",
       pairs, median(fresh_ratios), fresh_work.round_trips() / static_cast<double>(fresh.calls),
       fresh_work.transactions() / static_cast<double>(fresh.calls)));
+  {
+    // The same caller with PgOptions::notify on: what NOTIFY costs a lone completion.
+    Work w;
+    const Stats woken = idem_fresh(ci, n, budget, w, true);
+    t.line("pg: idem, one caller, blocking, NOTIFY on", woken, &floor);
+    o["pg_fresh_calls_per_s_notify"] = woken.per_s;
+  }
   pg["fresh_key_ratio_pairs"] = fresh_ratios;
   pg["fresh_store_work"] = fresh_work.json_per(fresh.calls);
   o["pg_floor_calls_per_s"] = floor.per_s;
@@ -576,6 +588,11 @@ json run_pg(const PgBenchConfig& c, std::ostream* human) {
     o["pg_concurrent_p99_us"] = s.p99_us;
     o["pg_concurrent_ops_per_transaction"] = w.transactions() > 0 ? w.ops() / w.transactions() : 0;
     o["pg_concurrent_round_trips_per_call"] = w.round_trips() / static_cast<double>(s.calls);
+    // The same with PgOptions::notify on: what the wake-ups cost a busy node.
+    Work loud;
+    const Stats q = idem_concurrent(ci, calls, 64, budget, loud, true);
+    t.line("pg: idem, 64 in flight, NOTIFY on", q, &floor);
+    o["pg_concurrent_fresh_calls_per_s_notify"] = q.per_s;
   }
 
   // Replays of hot keys: with no cache, against the SELECT floor; through ReplayCache.
@@ -623,15 +640,18 @@ json run_pg(const PgBenchConfig& c, std::ostream* human) {
   // A duplicate waiting in another node (process) on the same database.
   {
     const std::size_t rounds = c.quick ? 3 : 10, waiters = 20;
-    const PgWake wake = PgWake::poll;
     t.heading(fmt::format(
         "PostgreSQL hand-off: {} duplicates in another node wait on a {} ms action; from its end "
         "to each waiter's return",
         waiters, kHold.count()));
-    const Stats s = handoff_cross_node(c, rounds, waiters, wake);
-    t.line(fmt::format("pg: hand-off, waiters in another node ({})", to_string(wake)), s);
-    o["pg_handoff_cross_node_p99_ms"] = s.p99_us / 1000;
-    pg["handoff_wake"] = to_string(wake);
+    const Stats woken = handoff_cross_node(c, rounds, waiters, PgWake::notify);
+    t.line("pg: hand-off, waiters in another node (NOTIFY; polls 50 ms to 1 s)", woken);
+    o["pg_handoff_cross_node_p99_ms"] = woken.p99_us / 1000;
+    o["pg_handoff_cross_node_p50_ms"] = woken.p50_us / 1000;
+    const Stats polled = handoff_cross_node(c, rounds, waiters, PgWake::poll);
+    t.line("pg: hand-off, waiters in another node (no NOTIFY; polls 1 to 8 ms)", polled);
+    o["pg_handoff_cross_node_poll_p99_ms"] = polled.p99_us / 1000;
+    pg["handoff_wake"] = "notify";
   }
   return o;
 }

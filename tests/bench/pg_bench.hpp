@@ -19,10 +19,12 @@ struct PgBenchConfig {
   std::string dir;
 };
 
-// How a duplicate waiting in another node learns that the holder finished: today it polls
-// the store (Options::poll_initial, poll_max). A wake-up sent by the database would be
-// another value here, passed to the waiting node on its command line.
-enum class PgWake { poll };
+// How a duplicate waiting in another node learns that the holder finished: it polls the
+// store (Options::poll_initial, poll_max: 1 ms doubling to 8 ms; PgOptions::notify off on
+// both nodes), or it is woken by the holder's NOTIFY (PgOptions::notify on) and polls
+// only every 50 ms doubling to 1 s as the safety net. Passed to the waiting node on its
+// command line.
+enum class PgWake { poll, notify };
 
 // Runs the pg section: returns its JSON object ({"pg": {...}} and the headline keys pg_*) and
 // prints a human table to `*human` when human != nullptr. Throws StoreError when the server
