@@ -37,11 +37,18 @@ inline constexpr std::string_view kFindOrder =
 
 inline constexpr std::string_view kCountOrders = "SELECT count(*) FROM demo_orders";
 
+// idem-demo migrate: whether the file has the table, and every order in it.
+inline constexpr std::string_view kHasOrders =
+    "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'demo_orders'";
+inline constexpr std::string_view kAllOrders =
+    "SELECT seq, tenant, order_id, charge_id, body, created_at FROM demo_orders ORDER BY seq";
+
 // PostgreSQL: the same table in the store's schema (the search_path of PgStore's
 // connection and of the demo's own). Nodes that start together create it one after another.
 namespace pg {
 
-inline constexpr const char* kSearchPath = "SET search_path = idem, public";
+// A format string: the schema, quoted.
+inline constexpr std::string_view kSearchPath = "SET search_path = {}, public";
 // A format string: milliseconds.
 inline constexpr std::string_view kStatementTimeout = "SET statement_timeout = {}";
 
@@ -75,6 +82,18 @@ inline constexpr const char* kFindOrder =
     "WHERE seq = $1::bigint AND tenant = $2";
 
 inline constexpr const char* kCountOrders = "SELECT count(*) FROM demo_orders";
+
+// idem-demo migrate: an order copied from SQLite with its id (left alone if there), then the
+// id sequence moved past every copied id.
+inline constexpr const char* kBegin = "BEGIN";
+inline constexpr const char* kCommit = "COMMIT";
+inline constexpr const char* kCopyOrder = R"sql(
+INSERT INTO demo_orders (seq, tenant, order_id, charge_id, body, created_at)
+VALUES ($1::bigint, $2, $3, $4, $5, $6::bigint)
+ON CONFLICT DO NOTHING)sql";
+inline constexpr const char* kMoveOrderIds =
+    "SELECT setval(pg_get_serial_sequence('demo_orders', 'seq'), "
+    "greatest((SELECT max(seq) FROM demo_orders), 1))";
 
 }  // namespace pg
 

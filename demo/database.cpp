@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 #include <libpq-fe.h>
 
+#include <array>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 #include "checkout.hpp"
 #include "checkout_sql.hpp"
@@ -60,8 +62,8 @@ class SqliteOrders final : public Database::Orders {
 // connection of its own; reconnects once when the connection was lost.
 class PgOrders final : public Database::Orders {
  public:
-  PgOrders(std::string uri, std::chrono::milliseconds statement_timeout)
-      : uri_(std::move(uri)), timeout_(statement_timeout) {
+  PgOrders(std::string uri, std::chrono::milliseconds statement_timeout, std::string schema)
+      : uri_(std::move(uri)), timeout_(statement_timeout), schema_(std::move(schema)) {
     const std::lock_guard lock(mutex_);
     connect();
     exec(sql::pg::kOrdersSchema);
@@ -104,7 +106,11 @@ class PgOrders final : public Database::Orders {
     if (PQstatus(conn_) != CONNECTION_OK) fail("cannot connect", nullptr);
     PQsetNoticeProcessor(
         conn_, [](void*, const char*) {}, nullptr);  // "already exists"
-    exec(sql::pg::kSearchPath);
+    char* quoted = PQescapeIdentifier(conn_, schema_.data(), schema_.size());
+    if (quoted == nullptr) fail("quoting the schema", nullptr);
+    const std::string search_path = fmt::format(fmt::runtime(sql::pg::kSearchPath), quoted);
+    PQfreemem(quoted);
+    exec(search_path.c_str());
     exec(fmt::format(fmt::runtime(sql::pg::kStatementTimeout), timeout_.count()).c_str());
   }
 
@@ -124,8 +130,36 @@ class PgOrders final : public Database::Orders {
     }
   }
 
+ public:
+  // Copies `rows` (seq, tenant, order_id, charge_id, body, created_at as text) in one
+  // transaction; returns how many were new here.
+  std::size_t copy(const std::vector<std::array<std::string, 6>>& rows) {
+    const std::lock_guard lock(mutex_);
+    if (conn_ == nullptr || PQstatus(conn_) != CONNECTION_OK) connect();
+    exec(sql::pg::kBegin);
+    std::size_t copied = 0;
+    try {
+      for (const auto& row : rows) {
+        const char* values[6];
+        for (std::size_t i = 0; i < 6; ++i) values[i] = row[i].c_str();
+        Result r(PQexecParams(conn_, sql::pg::kCopyOrder, 6, nullptr, values, nullptr, nullptr, 0));
+        if (PQresultStatus(r.get()) != PGRES_COMMAND_OK) fail("copying an order", r.get());
+        if (std::string_view(PQcmdTuples(r.get())) == "1") ++copied;
+      }
+      exec(sql::pg::kMoveOrderIds);
+      exec(sql::pg::kCommit);
+    } catch (...) {
+      PQfinish(conn_);  // the transaction goes with the connection
+      conn_ = nullptr;
+      throw;
+    }
+    return copied;
+  }
+
+ private:
   std::string uri_;
   std::chrono::milliseconds timeout_;
+  std::string schema_;
   PGconn* conn_ = nullptr;
   std::mutex mutex_;
 };
@@ -138,7 +172,7 @@ Database::Database(const std::string& where, DatabaseOptions options)
     store_ = std::make_shared<PgStore>(where, PgOptions{.schema = std::string(kPgSchema),
                                                         .local_clock = options.clock,
                                                         .statement_timeout = options.busy_timeout});
-    orders_ = std::make_unique<PgOrders>(where, options.busy_timeout);
+    orders_ = std::make_unique<PgOrders>(where, options.busy_timeout, std::string(kPgSchema));
   } else {
     store_ =
         std::make_shared<SqliteStore>(where, SqliteOptions{.busy_timeout = options.busy_timeout});
@@ -157,5 +191,23 @@ std::optional<std::string> Database::find_order(std::int64_t seq, const std::str
 }
 
 std::size_t Database::count_orders() { return orders_->count(); }
+
+std::size_t copy_orders_to_pg(const std::string& sqlite_file, const std::string& conninfo,
+                              const std::string& schema) {
+  std::vector<std::array<std::string, 6>> rows;
+  {
+    sqlite::BusyPolicy busy{std::chrono::seconds(5), {}};
+    sqlite::Connection db = sqlite::open_connection(sqlite_file, &busy);
+    sqlite::Statement has(db.get(), sql::kHasOrders);
+    if (!has.step() || has.int64(0) == 0) return 0;
+    sqlite::Statement all(db.get(), sql::kAllOrders);
+    while (all.step()) {
+      rows.push_back({std::to_string(all.int64(0)), all.text(1), all.text(2), all.text(3),
+                      all.text(4), std::to_string(all.int64(5))});
+    }
+  }
+  PgOrders orders(conninfo, std::chrono::seconds(5), schema);
+  return orders.copy(rows);
+}
 
 }  // namespace idem::demo

@@ -58,4 +58,12 @@ class Database {
   bool postgresql_;
 };
 
+// idem-demo migrate: copies the orders table of the SQLite file `sqlite_file`, if it has
+// one, into the PostgreSQL database `conninfo` (libpq's keywords or a URI), into `schema`
+// (which must exist: PgStore makes it), each order with its id, in one transaction; an order
+// already there is left as it is, and new orders get ids after the copied ones. Returns how
+// many were copied. Throws StoreError (a rerun is safe).
+std::size_t copy_orders_to_pg(const std::string& sqlite_file, const std::string& conninfo,
+                              const std::string& schema);
+
 }  // namespace idem::demo

@@ -17,6 +17,7 @@
 
 #include "idem/migrate.hpp"
 #include "idem/steps.hpp"
+#include "serve_support.hpp"
 #include "store_engines.hpp"
 
 extern char** environ;
@@ -26,6 +27,7 @@ namespace {
 using namespace idem;
 using namespace std::chrono_literals;
 using idem::test::PgEngine;
+using idem::test::run_demo;
 
 // A process that dies at a point of its action (its release never happens either).
 struct Crash {};
@@ -532,32 +534,7 @@ TEST_CASE(
   CHECK(pg_scalar(e.conninfo, fmt::format("SELECT count(*) FROM {}.idem_keys", e.schema)) == "0");
 }
 
-namespace {
-
-// Runs idem-demo with `args`; returns its exit status and its stdout.
-int run_demo(const test::TempDir& dir, std::vector<std::string> args, std::string& out) {
-  const std::string out_file = dir.file("demo.out");
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, out_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  args.insert(args.begin(), IDEM_DEMO);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  REQUIRE(posix_spawn(&pid, IDEM_DEMO, &actions, nullptr, argv.data(), environ) == 0);
-  posix_spawn_file_actions_destroy(&actions);
-  int status = 0;
-  REQUIRE(waitpid(pid, &status, 0) == pid);
-  std::ifstream in(out_file);
-  std::stringstream text;
-  text << in.rdbuf();
-  out = text.str();
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 TEST_CASE("migrate: idem-demo migrate prints its report as one JSON line, and 1 on an error") {
   PgEngine e;

@@ -169,3 +169,57 @@ TEST_CASE(
   CHECK(read.status == 200);
   CHECK(read.body == r.body);
 }
+
+TEST_CASE(
+    "nodes: payments made by serve on SQLite replay byte for byte on PostgreSQL after "
+    "idem-demo migrate, and read by their ids") {
+  if (!postgresql_ready()) return;
+  idem::test::TempDir dir;
+  const std::string file = dir.file("payments.db");
+  const std::string uri = idem::test::fresh_pg_database();
+  auto serve_on = [&](const std::string& where) {
+    idem::demo::ServerOptions o;
+    o.port = 0;
+    o.api.db = where;
+    o.api.ledger = dir.file("ledger.db");
+    o.api.provider_latency = 5ms;
+    o.api.provider_dedup = false;
+    return o;
+  };
+  std::vector<HttpReply> before;
+  {
+    idem::test::Served sqlite_node(serve_on(file));
+    HttpClient c(sqlite_node.port());
+    for (const char* key : {"m-1", "m-2"})
+      before.push_back(c.send("POST", "/v1/payments", post_headers(key), payment(key)));
+    CHECK(sqlite_node.server->api().provider().charge_count() == 2);
+  }
+  REQUIRE(before[0].status == 200);
+  REQUIRE(before[1].status == 200);
+
+  std::string out;
+  REQUIRE(idem::test::run_demo(dir, {"migrate", "--from", file, "--to", uri}, out) == 0);
+  const json report = json::parse(out);
+  CHECK(report.at("records_copied") == 2);
+  CHECK(report.at("orders_copied") == 2);
+
+  idem::test::Served pg_node(serve_on(uri));
+  HttpClient c(pg_node.port());
+  for (std::size_t i = 0; i < 2; ++i) {
+    const std::string key = i == 0 ? "m-1" : "m-2";
+    const HttpReply replay = c.send("POST", "/v1/payments", post_headers(key), payment(key));
+    CHECK(replay.status == 200);
+    CHECK(replay.body == before[i].body);
+    CHECK(replay.has("idempotent-replayed"));
+    const std::string id = json::parse(before[i].body).at("id");
+    const HttpReply read =
+        c.send("GET", "/v1/payments/" + id, {{"Authorization", "Bearer sk_test_alpha"}});
+    CHECK(read.status == 200);
+    CHECK(read.body == before[i].body);
+  }
+  // A new payment gets an id after the copied ones; still one charge per payment.
+  const HttpReply fresh = c.send("POST", "/v1/payments", post_headers("m-3"), payment("m-3"));
+  CHECK(fresh.status == 200);
+  CHECK(json::parse(fresh.body).at("id") == "pay_3");
+  CHECK(pg_node.server->api().provider().charge_count() == 3);
+}

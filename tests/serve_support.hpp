@@ -13,7 +13,9 @@
 
 #include <chrono>
 #include <csignal>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -40,9 +42,14 @@ struct Served {
   std::unique_ptr<demo::Server> server;
   std::thread thread;
 
+  // options.api.db empty: `db` (server_database); else the caller's database, kept in `db`.
   explicit Served(demo::ServerOptions options) {
     options.port = 0;
-    options.api.db = db;
+    if (options.api.db.empty()) {
+      options.api.db = db;
+    } else {
+      db = options.api.db;
+    }
     server = std::make_unique<demo::Server>(std::move(options));
     thread = std::thread([this] { server->run(); });
   }
@@ -133,5 +140,28 @@ struct ServeProcess {
     ::close(err);
   }
 };
+
+// Runs idem-demo with `args`; returns its exit status and its stdout.
+inline int run_demo(const TempDir& dir, std::vector<std::string> args, std::string& out) {
+  const std::string out_file = dir.file("demo.out");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  args.insert(args.begin(), IDEM_DEMO);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  REQUIRE(posix_spawn(&pid, IDEM_DEMO, &actions, nullptr, argv.data(), environ) == 0);
+  posix_spawn_file_actions_destroy(&actions);
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  std::ifstream in(out_file);
+  std::stringstream text;
+  text << in.rdbuf();
+  out = text.str();
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
 
 }  // namespace idem::test
