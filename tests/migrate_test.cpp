@@ -152,22 +152,9 @@ struct Populated : Before {
   }
 };
 
-// The first column of the first row of `sql` on the server, as text ("" when no row).
-std::string pg_scalar(const std::string& conninfo, const std::string& sql) {
-  PGconn* c = PQconnectdb(conninfo.c_str());
-  PGresult* r = PQexec(c, sql.c_str());
-  const ExecStatusType status = PQresultStatus(r);
-  std::string out = status == PGRES_TUPLES_OK && PQntuples(r) > 0 ? PQgetvalue(r, 0, 0) : "";
-  const std::string why = PQresultErrorMessage(r);
-  PQclear(r);
-  PQfinish(c);
-  if (status != PGRES_TUPLES_OK) throw std::runtime_error(why);
-  return out;
-}
-
 // Everything a schema's tables hold, as one digest.
 std::string digest(const PgEngine& e, const std::string& schema) {
-  return pg_scalar(
+  return idem::test::pg_text(
       e.conninfo,
       fmt::format("SELECT md5((SELECT coalesce(string_agg(k::text, '|' ORDER BY tenant, "
                   "operation, key), '') FROM {0}.idem_keys k) || '#' || (SELECT "
@@ -243,14 +230,16 @@ TEST_CASE(
   test::RawDb raw(before.path);
   for (const char* key : {"k-crash", "k-released"}) {
     CAPTURE(key);
-    CHECK(pg_scalar(e.conninfo, fmt::format("SELECT progress FROM {}.idem_keys WHERE key = '{}'",
-                                            e.schema, key)) ==
+    CHECK(idem::test::pg_text(
+              e.conninfo,
+              fmt::format("SELECT progress FROM {}.idem_keys WHERE key = '{}'", e.schema, key)) ==
           raw.text(fmt::format("SELECT progress FROM idem_keys WHERE key = '{}'", key)));
-    CHECK(pg_scalar(e.conninfo,
-                    fmt::format("SELECT upper(encode(request, 'hex')) FROM {}.idem_keys WHERE "
-                                "key = '{}'",
-                                e.schema, key)) ==
-          raw.text(fmt::format("SELECT hex(request) FROM idem_keys WHERE key = '{}'", key)));
+    CHECK(
+        idem::test::pg_text(
+            e.conninfo, fmt::format("SELECT upper(encode(request, 'hex')) FROM {}.idem_keys WHERE "
+                                    "key = '{}'",
+                                    e.schema, key)) ==
+        raw.text(fmt::format("SELECT hex(request) FROM idem_keys WHERE key = '{}'", key)));
   }
 
   // The outbox: the pending message and the parked one, as they were.
@@ -258,10 +247,10 @@ TEST_CASE(
   CHECK(counts.pending == 1);
   CHECK(counts.parked == 1);
   CHECK(counts.delivered == 0);
-  CHECK(pg_scalar(e.conninfo,
-                  fmt::format("SELECT attempts || ' ' || last_error || ' ' || key_hash FROM "
-                              "{}.idem_outbox WHERE id = '{}'",
-                              e.schema, before.ledger_id)) ==
+  CHECK(idem::test::pg_text(
+            e.conninfo, fmt::format("SELECT attempts || ' ' || last_error || ' ' || key_hash FROM "
+                                    "{}.idem_outbox WHERE id = '{}'",
+                                    e.schema, before.ledger_id)) ==
         raw.text(fmt::format("SELECT attempts || ' ' || last_error || ' ' || key_hash FROM "
                              "idem_outbox WHERE id = '{}'",
                              before.ledger_id)));
@@ -379,7 +368,7 @@ TEST_CASE(
   };
   CHECK_THROWS_AS(migrate_sqlite_to_pg(before.path, *part, stopping), Stop);
   CHECK(copied_before_stop >= 1);
-  CHECK(pg_scalar(e.conninfo, fmt::format("SELECT count(*) FROM {}.idem_keys", other)) ==
+  CHECK(idem::test::pg_text(e.conninfo, fmt::format("SELECT count(*) FROM {}.idem_keys", other)) ==
         std::to_string(copied_before_stop));
   MigrationOptions one_by_one = on_clock(before);
   one_by_one.batch = 1;
@@ -462,10 +451,10 @@ TEST_CASE(
 
   // On the server's clock: the lease ends 30 s after the server's now, the TTL 24 h after.
   const auto left = [&](const std::string& column, const std::string& key) {
-    return std::stoll(
-        pg_scalar(e.conninfo, fmt::format("SELECT {} - (extract(epoch FROM clock_timestamp()) * "
-                                          "1000)::bigint FROM {}.idem_keys WHERE key = '{}'",
-                                          column, e.schema, key)));
+    return std::stoll(idem::test::pg_text(
+        e.conninfo, fmt::format("SELECT {} - (extract(epoch FROM clock_timestamp()) * "
+                                "1000)::bigint FROM {}.idem_keys WHERE key = '{}'",
+                                column, e.schema, key)));
   };
   CHECK(left("lease_until", "k-held") <= 31'000);
   CHECK(left("lease_until", "k-held") > 20'000);
@@ -531,7 +520,8 @@ TEST_CASE(
   const MigrationReport empty = migrate_sqlite_to_pg(fine, *pg);
   CHECK(empty.records_copied == 0);
   CHECK(empty.outbox_copied == 0);
-  CHECK(pg_scalar(e.conninfo, fmt::format("SELECT count(*) FROM {}.idem_keys", e.schema)) == "0");
+  CHECK(idem::test::pg_text(e.conninfo,
+                            fmt::format("SELECT count(*) FROM {}.idem_keys", e.schema)) == "0");
 }
 
 namespace {}  // namespace

@@ -77,6 +77,7 @@ inline int wait_bounded(pid_t pid, std::chrono::seconds bound) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+#ifdef IDEM_DEMO  // the idem-demo binary: whole-suite builds only (tests/CMakeLists.txt)
 // `idem-demo serve ...` as a child process (through /bin/sh, for `ulimit`), its stderr on a
 // pipe; the constructor returns once the child printed the port it serves on.
 struct ServeProcess {
@@ -163,5 +164,6 @@ inline int run_demo(const TempDir& dir, std::vector<std::string> args, std::stri
   out = text.str();
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
+#endif
 
 }  // namespace idem::test

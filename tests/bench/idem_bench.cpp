@@ -35,6 +35,7 @@
 #include <thread>
 
 #include "bench.hpp"
+#include "calls.hpp"
 #include "floor_sql.hpp"
 #include "http_bench.hpp"
 #include "idem/asio.hpp"
@@ -65,24 +66,6 @@ struct Config {
   std::string self;  // this program, for child processes
   std::string pg;    // --pg: the PostgreSQL server of the pg section; empty: skipped
 };
-
-const Fingerprint kFp = Fingerprint::of(json{{"amount", 4990}, {"currency", "RUB"}});
-const std::string kTenant = "alpha", kOperation = "payment.charge";
-
-std::string key_of(std::size_t i, const std::string& prefix = "k") {
-  return fmt::format("{}{:08}", prefix, i);
-}
-
-Request request_for(const std::string& key) {
-  Request r;
-  r.tenant = kTenant;
-  r.operation = kOperation;
-  r.key = key;
-  r.fingerprint = kFp;
-  return r;
-}
-
-Response small_response() { return Response{200, R"({"charge_id":"ch_1"})", {}}; }
 
 std::string fresh_db(const Config& c, const std::string& name) {
   const std::string path = c.dir + "/" + name + ".db";

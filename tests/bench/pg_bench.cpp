@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "bench.hpp"
+#include "calls.hpp"
 #include "floor_sql.hpp"
 #include "idem/asio.hpp"
 #include "idem/coordinator.hpp"
@@ -50,29 +51,12 @@ namespace net = boost::asio;
 using nlohmann::json;
 using namespace std::chrono_literals;
 
-const Fingerprint kFp = Fingerprint::of(json{{"amount", 4990}, {"currency", "RUB"}});
-const std::string kTenant = "alpha", kOperation = "payment.charge";
 // Replays go round a small set of hot keys, the floors' and idem's alike.
 constexpr std::size_t kHotKeys = 100;
 // The holder's action in the hand-off, as in the SQLite hand-off.
 constexpr auto kHold = 300ms;
 
 [[noreturn]] void fail(const std::string& what) { throw std::runtime_error("pg bench: " + what); }
-
-std::string key_of(std::size_t i, std::string_view prefix) {
-  return fmt::format("{}{:08}", prefix, i);
-}
-
-Request request_for(const std::string& key) {
-  Request r;
-  r.tenant = kTenant;
-  r.operation = kOperation;
-  r.key = key;
-  r.fingerprint = kFp;
-  return r;
-}
-
-Response small_response() { return Response{200, R"({"charge_id":"ch_1"})", {}}; }
 
 std::int64_t now_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
