@@ -58,7 +58,7 @@ class SqliteOrders final : public Database::Orders {
   std::mutex mutex_;
 };
 
-// The orders table in the PostgreSQL database, beside idem's tables (schema kPgSchema), on a
+// The orders table in the PostgreSQL database, beside idem's tables (in their schema), on a
 // connection of its own; reconnects once when the connection was lost.
 class PgOrders final : public Database::Orders {
  public:
@@ -166,9 +166,8 @@ class PgOrders final : public Database::Orders {
 
 }  // namespace
 
-Database::Database(const std::string& where, DatabaseOptions options)
-    : postgresql_(is_postgresql(where)) {
-  if (postgresql_) {
+Database::Database(const std::string& where, DatabaseOptions options) {
+  if (is_postgresql(where)) {
     store_ = std::make_shared<PgStore>(where, PgOptions{.schema = std::string(kPgSchema),
                                                         .local_clock = options.clock,
                                                         .statement_timeout = options.busy_timeout});
@@ -181,8 +180,6 @@ Database::Database(const std::string& where, DatabaseOptions options)
 }
 
 Database::~Database() = default;
-
-bool Database::postgresql() const noexcept { return postgresql_; }
 
 const std::shared_ptr<Store>& Database::store() const noexcept { return store_; }
 

@@ -41,7 +41,6 @@ class Database {
   Database(const Database&) = delete;
   Database& operator=(const Database&) = delete;
 
-  bool postgresql() const noexcept;
   const std::shared_ptr<Store>& store() const noexcept;
 
   // The order `seq` of `tenant` (GET /v1/payments/pay_<seq>) as the JSON the checkout
@@ -55,7 +54,6 @@ class Database {
  private:
   std::shared_ptr<Store> store_;
   std::unique_ptr<Orders> orders_;
-  bool postgresql_;
 };
 
 // idem-demo migrate: copies the orders table of the SQLite file `sqlite_file`, if it has

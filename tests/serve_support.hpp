@@ -38,18 +38,15 @@ inline std::string server_database(const TempDir& dir) {
 
 struct Served {
   TempDir dir;
-  std::string db = server_database(dir);
+  std::string db;
   std::unique_ptr<demo::Server> server;
   std::thread thread;
 
-  // options.api.db empty: `db` (server_database); else the caller's database, kept in `db`.
+  // options.api.db empty: a fresh database (server_database); else the caller's. `db` names it.
   explicit Served(demo::ServerOptions options) {
     options.port = 0;
-    if (options.api.db.empty()) {
-      options.api.db = db;
-    } else {
-      db = options.api.db;
-    }
+    db = options.api.db.empty() ? server_database(dir) : options.api.db;
+    options.api.db = db;
     server = std::make_unique<demo::Server>(std::move(options));
     thread = std::thread([this] { server->run(); });
   }

@@ -283,14 +283,15 @@ struct PgStore::Impl {
   // Wake-ups (PgOptions::notify): the channel (pg_notify's argument), the write
   // connection's backend (its own notifications are not news to this process), the
   // listeners and the LISTEN connection, started with the first listener.
-  std::string channel;
+  const std::string channel;  // "idem:" and the schema's name
   std::atomic<int> own_backend{0};
   std::mutex listeners_mutex;  // held while a listener runs, so removing one waits for it
   std::map<std::uint64_t, ChangeListener> listeners;
   std::uint64_t next_listener = 1;
   std::unique_ptr<detail::PgListener> listener;  // guarded by listeners_mutex
 
-  Impl(std::string info, PgOptions o) : conninfo(std::move(info)), options(std::move(o)) {
+  Impl(std::string info, PgOptions o)
+      : conninfo(std::move(info)), options(std::move(o)), channel("idem:" + options.schema) {
     if (options.schema.empty() || options.schema.find('$') != std::string::npos) {
       // '$' could end the $$-quoted function bodies the schema's name is put in.
       throw error(errc::invalid_argument,
@@ -666,7 +667,7 @@ struct PgStore::Impl {
     }
     const std::string payload = notify_payload(ops);
     if (sent && !payload.empty()) {
-      const char* values[] = {notify_channel().c_str(), payload.c_str()};
+      const char* values[] = {channel.c_str(), payload.c_str()};
       sent = PQsendQueryParams(conn, pg_sql::kNotify, 2, nullptr, values, nullptr, nullptr, 0) == 1;
     }
     sent = sent &&
@@ -725,16 +726,11 @@ struct PgStore::Impl {
 
   // ---- wake-ups ----
 
-  // The channel: "idem:" and the schema's name.
-  const std::string& notify_channel() {
-    if (channel.empty()) channel = "idem:" + options.schema;
-    return channel;
-  }
   // The channel as LISTEN names it (an identifier, quoted by hand: the listener's thread has
   // no connection yet to quote it with).
-  std::string quoted_channel() {
+  std::string quoted_channel() const {
     std::string q = "\"";
-    for (char ch : notify_channel()) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+    for (char ch : channel) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
     return q + "\"";
   }
 
