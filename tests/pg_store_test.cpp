@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 #include <libpq-fe.h>
+#include <poll.h>
 
 #include <atomic>
 #include <latch>
@@ -181,8 +182,10 @@ TEST_CASE("postgresql: a lost connection is a StoreError, and the next call reco
   PgEngine e;
   IDEM_ENGINE_OR_SKIP(e);
   const std::string app = fmt::format("victim_{}", e.schema);
-  idem::PgStore store(e.conninfo + " application_name=" + app,
-                      idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller});
+  // The main connection only (reads and writes alike); batch connections: the next case.
+  idem::PgStore store(
+      e.conninfo + " application_name=" + app,
+      idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller, .batch_connections = 0});
   const idem::KeyId id{"alpha", "pay", "k"};
   const Reservation r = store.reserve(id, kFp, T0, T0 + 30s);
   CHECK(store.stats().connects == 1);
@@ -197,6 +200,131 @@ TEST_CASE("postgresql: a lost connection is a StoreError, and the next call reco
   CHECK(rec->token == r.token);
   CHECK(store.stats().connects == 2);
   CHECK(store.complete(id, r.token, response("ok"), T0 + 1h));
+}
+
+// Waits for a started batch on this thread, as an event loop would: until its socket is
+// readable, then advance().
+void wait_for(idem::PendingApply& pending) {
+  while (!pending.done()) {
+    pollfd p{pending.descriptor(), POLLIN, 0};
+    REQUIRE(::poll(&p, 1, 10'000) == 1);  // a failure bound: the server answers in ms
+    pending.advance();
+  }
+}
+
+std::vector<StoreOp> reserves(const std::vector<idem::KeyId>& ids) {
+  std::vector<StoreOp> ops;
+  for (const idem::KeyId& id : ids) {
+    ops.push_back({.kind = StoreOp::Kind::reserve,
+                   .id = &id,
+                   .fingerprint = &kFp,
+                   .now = T0,
+                   .lease_until = T0 + 30s});
+  }
+  return ops;
+}
+
+TEST_CASE("postgresql: batches in flight at once go out on their own connections, unblocked") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  idem::PgStore store(
+      e.conninfo,
+      idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller, .batch_connections = 2});
+  CHECK(store.concurrent_applies() == 2);
+  // Two batches racing for one key ("dup") from two connections, and keys of their own.
+  const std::vector<idem::KeyId> ids1{{"alpha", "pay", "a1"}, {"alpha", "pay", "dup"}},
+      ids2{{"alpha", "pay", "b1"}, {"alpha", "pay", "dup"}}, ids3{{"alpha", "pay", "c1"}};
+  std::vector<StoreOp> ops1 = reserves(ids1), ops2 = reserves(ids2), ops3 = reserves(ids3);
+  const std::vector<StoreOp*> p1 = pointers(ops1), p2 = pointers(ops2), p3 = pointers(ops3);
+  const idem::PgStore::Stats before = store.stats();
+  std::unique_ptr<idem::PendingApply> first = store.start_apply(p1);
+  std::unique_ptr<idem::PendingApply> second = store.start_apply(p2);
+  REQUIRE(first);
+  REQUIRE(second);
+  CHECK_FALSE(first->done());
+  CHECK_FALSE(second->done());
+  CHECK(first->descriptor() != second->descriptor());
+  // Both batch connections are busy: a third batch is not started, and apply() runs it on
+  // the main connection at once, while the two are still unread.
+  CHECK_FALSE(store.start_apply(p3));
+  store.apply(p3);
+  CHECK_FALSE(ops3[0].error);
+  CHECK(ops3[0].reservation.kind == Reservation::Kind::reserved);
+  wait_for(*second);
+  wait_for(*first);
+  CHECK(first->descriptor() == -1);
+  for (const StoreOp& op : ops1) CHECK_FALSE(op.error);
+  for (const StoreOp& op : ops2) CHECK_FALSE(op.error);
+  CHECK(ops1[0].reservation.kind == Reservation::Kind::reserved);
+  CHECK(ops2[0].reservation.kind == Reservation::Kind::reserved);
+  // One of the two reservations of "dup" won; the other found it.
+  const int won = (ops1[1].reservation.kind == Reservation::Kind::reserved ? 1 : 0) +
+                  (ops2[1].reservation.kind == Reservation::Kind::reserved ? 1 : 0);
+  CHECK(won == 1);
+  const idem::PgStore::Stats after = store.stats();
+  CHECK(after.async_batches - before.async_batches == 2);
+  CHECK(after.most_batches_in_flight == 2);
+  CHECK(after.transactions - before.transactions == 3);
+  CHECK(after.ops - before.ops == 5);
+  // A free connection again: the next batch starts.
+  const std::vector<idem::KeyId> ids4{{"alpha", "pay", "d1"}};
+  std::vector<StoreOp> ops4 = reserves(ids4);  // points into ids4
+  const std::vector<StoreOp*> ptrs_ops4 = pointers(ops4);
+  auto again = store.start_apply(ptrs_ops4);
+  REQUIRE(again);
+  wait_for(*again);
+  CHECK(ops4[0].reservation.kind == Reservation::Kind::reserved);
+}
+
+TEST_CASE("postgresql: a batch abandoned or cut off fails alone, and the next one reconnects") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  const std::string app = fmt::format("cut_{}", e.schema);
+  idem::PgStore store(
+      e.conninfo + " application_name=" + app,
+      idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller, .batch_connections = 1});
+  const std::vector<idem::KeyId> ids{{"alpha", "pay", "a"}, {"alpha", "pay", "b"}};
+  {
+    std::vector<StoreOp> ops = reserves(ids);
+    const std::vector<StoreOp*> ptrs_ops = pointers(ops);
+    auto pending = store.start_apply(ptrs_ops);
+    REQUIRE(pending);
+  }  // destroyed unread: its connection is dropped (whether it committed is unknown)
+  const std::uint64_t connects = store.stats().connects;
+  const std::vector<idem::KeyId> c{{"alpha", "pay", "c"}}, d{{"alpha", "pay", "d"}},
+      e_{{"alpha", "pay", "e"}}, f{{"alpha", "pay", "f"}};
+  std::vector<StoreOp> next = reserves(c);
+  const std::vector<StoreOp*> ptrs_next = pointers(next);
+  auto pending = store.start_apply(ptrs_next);
+  REQUIRE(pending);
+  wait_for(*pending);
+  CHECK_FALSE(next[0].error);
+  CHECK(next[0].reservation.kind == Reservation::Kind::reserved);
+  CHECK(store.stats().connects == connects + 1);
+  // The batch connection is cut while a batch waits: that batch fails with StoreError, the
+  // next one connects again and succeeds.
+  Raw raw(e.conninfo);
+  std::vector<StoreOp> cut = reserves(d);
+  const std::vector<StoreOp*> ptrs_cut = pointers(cut);
+  std::vector<StoreOp> before_cut = reserves(e_);
+  store.apply(pointers(before_cut));  // the batch connection is the one in use
+  REQUIRE(std::stoi(raw.scalar(
+              fmt::format("SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity "
+                          "WHERE application_name = '{}'",
+                          app))) >= 1);  // waits (5 s at most) until they are gone
+  auto doomed = store.start_apply(ptrs_cut);
+  if (doomed) wait_for(*doomed);  // null: it could not even be sent, and apply() would run it
+  if (!doomed) store.apply(ptrs_cut);
+  REQUIRE(cut[0].error);
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(cut[0].error), doctest::Contains("postgresql:"),
+                       idem::StoreError);
+  std::vector<StoreOp> after = reserves(f);
+  const std::vector<StoreOp*> ptrs_after = pointers(after);
+  auto retry = store.start_apply(ptrs_after);
+  if (retry) wait_for(*retry);
+  if (!retry) store.apply(ptrs_after);
+  CHECK_FALSE(after[0].error);
+  CHECK(after[0].reservation.kind == Reservation::Kind::reserved);
 }
 
 TEST_CASE("postgresql: an unreachable server is a StoreError, and a newer schema is refused") {
@@ -340,6 +468,9 @@ TEST_CASE("postgresql: a duplicate waiting in another node is woken by NOTIFY, n
     done = true;
   });
   REQUIRE(idem::test::eventually([&] { return node_b.metrics().waited == 1; }));
+  // B's LISTEN runs on its own thread and connection; a NOTIFY committed before it takes
+  // effect is never delivered (B would poll, but its clock is frozen).
+  REQUIRE(idem::test::eventually([&] { return b_store->stats().listens >= 1; }));
   release.count_down();
   holder.join();
   // A failure bound, not a measurement: without the wake-up, B would wait forever; then the

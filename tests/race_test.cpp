@@ -16,6 +16,7 @@
 #include <boost/asio/io_context.hpp>
 #include <fstream>
 #include <latch>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -88,6 +89,63 @@ TEST_CASE("race: 50 coroutines on one io_context (4 threads), one key, 100 round
     waited += w.idem->metrics().waited;
   }
   CHECK(waited > 0);
+}
+
+TEST_CASE("race: 64 coroutines on two threads, PostgreSQL batches in flight at once, 20 rounds") {
+  idem::test::PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  // Each round: 16 keys, each sent by 4 coroutines at once, on an io_context run by two
+  // threads; the group commit keeps two batches in the database at a time, each waited for on
+  // the io_context (PgStore::start_apply). Every key charges once.
+  constexpr int kKeys = 16, kCopies = 4, kRounds = 20;
+  auto clock = std::make_shared<idem::SystemClock>();
+  auto store = std::make_shared<idem::PgStore>(
+      e.conninfo, idem::PgOptions{.schema = e.schema, .batch_connections = 2});
+  idem::Coordinator idem(
+      store, idem::Options{.in_flight = idem::InFlight::wait, .max_wait = 20s, .clock = clock});
+  std::uint64_t waited = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    auto provider = std::make_shared<idem::sim::Provider>(
+        clock, idem::sim::ProviderOptions{.latency = 1ms, .dedup = false});
+    net::io_context io;
+    std::mutex mutex;
+    std::map<std::string, std::vector<std::string>> answers;
+    for (int k = 0; k < kKeys; ++k) {
+      for (int c = 0; c < kCopies; ++c) {
+        net::co_spawn(
+            io,
+            [&, k]() -> net::awaitable<void> {
+              const std::string key = fmt::format("r{}-k{}", round, k);
+              idem::Request req = request(key);
+              idem::AsyncAction action = [&, key]() -> net::awaitable<idem::Response> {
+                const auto r = co_await idem::sim::async_charge(*provider, key, 4990, "");
+                co_return idem::Response{200, r.charge_id, {}};
+              };
+              const idem::Outcome o =
+                  co_await idem::async_call(idem, std::move(req), std::move(action));
+              std::lock_guard lock(mutex);
+              answers[key].push_back(o.response.body);
+            },
+            [](std::exception_ptr x) {
+              if (x) std::rethrow_exception(x);
+            });
+      }
+    }
+    std::thread other([&] { io.run(); });
+    io.run();
+    other.join();
+    REQUIRE(provider->charge_count() == kKeys);
+    REQUIRE(answers.size() == static_cast<std::size_t>(kKeys));
+    for (const auto& [key, bodies] : answers) {
+      REQUIRE(bodies.size() == static_cast<std::size_t>(kCopies));
+      for (const auto& b : bodies) REQUIRE(b == bodies.front());
+    }
+  }
+  waited = idem.metrics().waited;
+  CHECK(waited > 0);  // duplicates overlapped their first
+  const idem::PgStore::Stats s = store->stats();
+  CHECK(s.async_batches > 0);            // the io_context waited for the batches
+  CHECK(s.most_batches_in_flight == 2);  // and two were in the database at once
 }
 
 TEST_CASE("race: 16 threads on the blocking API, one key, 100 rounds") {

@@ -9,15 +9,21 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/execution/outstanding_work.hpp>
 #include <boost/asio/execution_context.hpp>
+#include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/prefer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
+#include <cerrno>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <unordered_map>
 #include <utility>
+
+#include <poll.h>
+#include <unistd.h>
 
 #include "attempt.hpp"
 #include "core.hpp"
@@ -153,6 +159,86 @@ AsyncWaiter::Handle::Handle(const net::any_io_executor& ex)
 void AsyncWaiter::Handle::enlist() { waits.add(shared_from_this()); }
 void AsyncWaiter::Handle::unregister() { waits.remove(this); }
 
+// A round's batch in the store (Store::start_apply), waited for by the io_context's reactor
+// on the store's socket. It waits on a duplicate of the descriptor, so closing its own never
+// closes the store's, and follows the store to a new one if the batch moved connection.
+class SocketWait : public std::enable_shared_from_this<SocketWait> {
+ public:
+  // Throws std::system_error if the descriptor cannot be duplicated or registered.
+  static void start(const net::any_io_executor& ex, PendingApply& pending,
+                    std::function<void()> finished) {
+    auto w = std::make_shared<SocketWait>(ex, pending, std::move(finished));
+    w->watch();
+    w->arm();
+  }
+
+  SocketWait(const net::any_io_executor& ex, PendingApply& pending, std::function<void()> finished)
+      : socket_(ex), pending_(pending), finished_(std::move(finished)) {}
+
+ private:
+  void watch() {
+    watched_ = pending_.descriptor();
+    const int fd = ::dup(watched_);
+    if (fd < 0) throw std::system_error(errno, std::generic_category(), "dup");
+    boost::system::error_code ec;
+    socket_.close(ec);
+    socket_.assign(fd, ec);
+    if (ec) {
+      ::close(fd);
+      throw std::system_error(ec.value(), std::generic_category(), "watching the store");
+    }
+  }
+
+  void arm() {
+    socket_.async_wait(
+        net::posix::stream_descriptor::wait_read,
+        [self = shared_from_this()](const boost::system::error_code& ec) { self->ready(ec); });
+  }
+
+  void ready(const boost::system::error_code& ec) {
+    if (ec) {
+      pending_.fail(std::make_exception_ptr(
+          StoreError(fmt::format("idem: waiting for the store failed: {}", ec.message()), 0)));
+    } else {
+      // The reactor reports a descriptor when it becomes readable (edge-triggered), and the
+      // store may not take all that waits in one advance(): take until nothing is left, so
+      // the next report comes with new data.
+      do {
+        pending_.advance();
+      } while (!pending_.done() && readable(pending_.descriptor()));
+    }
+    if (!pending_.done()) {
+      try {
+        if (pending_.descriptor() != watched_) watch();
+        arm();
+        return;
+      } catch (...) {
+        pending_.fail(std::current_exception());
+      }
+    }
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+    finished_();
+  }
+
+  static bool readable(int fd) {
+    pollfd p{fd, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+
+  net::posix::stream_descriptor socket_;
+  PendingApply& pending_;
+  std::function<void()> finished_;
+  int watched_ = -1;
+};
+
+// A posted round of the group commit: waits for the store's batch on `ex`.
+void lead_round(detail::GroupCommit& commits, const net::any_io_executor& ex) {
+  commits.lead([&ex](PendingApply& pending, std::function<void()> finished) {
+    SocketWait::start(ex, pending, std::move(finished));
+  });
+}
+
 // Hands `op` to the coordinator's group commit and suspends until it is committed. The
 // first writer to find no leader posts the lead to its executor, so every coroutine that
 // becomes ready in the same turn of the io_context joins its batch.
@@ -170,10 +256,10 @@ net::awaitable<void> group_write(detail::GroupCommit& commits, StoreOp& op) {
           if (s == Signal::committed) {
             net::post(std::move(*resume));
           } else {
-            net::post(ex, [&commits] { commits.lead(); });
+            net::post(ex, [&commits, ex] { lead_round(commits, ex); });
           }
         };
-        if (commits.enqueue(op, notify)) net::post(ex, [&commits] { commits.lead(); });
+        if (commits.enqueue(op, notify)) net::post(ex, [&commits, ex] { lead_round(commits, ex); });
       },
       net::use_awaitable);
 }

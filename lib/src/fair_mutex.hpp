@@ -10,7 +10,10 @@ namespace idem::detail {
 // commit) cannot starve the others, because releasing and re-locking puts it behind
 // everyone already waiting. unlock() hands the lock to the first waiter and wakes that one
 // thread only (waking every waiter to let one through costs each of them a context switch,
-// which at eight threads was a third of the CPU). Thread-safety: that is its purpose.
+// which at eight threads was a third of the CPU). try_lock() takes it only when it is free
+// (then nobody waits). Any thread may unlock it, not only the one that locked it (PgStore
+// holds a batch connection's across an event loop's wait). Thread-safety: that is its
+// purpose.
 class FairMutex {
  public:
   void lock() {
@@ -29,6 +32,13 @@ class FairMutex {
     }
     tail_ = &self;
     self.cv.wait(guard, [&] { return self.granted; });  // held_ stays true: handed to us
+  }
+
+  bool try_lock() {
+    std::lock_guard guard(mutex_);
+    if (held_) return false;
+    held_ = true;
+    return true;
   }
 
   void unlock() {

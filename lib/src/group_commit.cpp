@@ -1,9 +1,14 @@
 #include "group_commit.hpp"
 
+#include <poll.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <optional>
 #include <thread>
+
+#include "idem/errors.hpp"
 
 namespace idem::detail {
 namespace {
@@ -39,29 +44,74 @@ void GroupCommit::Pending::tell(Signal s) const {
 bool GroupCommit::enqueue(StoreOp& op, Notify notify) {
   std::lock_guard lock(mutex_);
   queue_.push_back(Pending{&op, std::move(notify), nullptr});
-  if (committing_ || lead_posted_) return false;
+  if (rounds_ >= max_rounds_ || lead_posted_) return false;
   lead_posted_ = true;
   return true;
 }
 
-void GroupCommit::lead() noexcept {
+void GroupCommit::lead(const Drive& drive) noexcept {
   std::unique_lock lock(mutex_);
   lead_posted_ = false;
-  if (committing_ || queue_.empty()) return;  // a running round hands on to the queue
-  committing_ = true;
-  round(lock);
+  if (rounds_ >= max_rounds_ || queue_.empty()) return;  // a running round hands on
+  ++rounds_;
+  const std::shared_ptr<Round> r = take(lock);
+  try {
+    r->pending = store_.start_apply(r->ops);
+  } catch (...) {  // start_apply never throws by contract; a broken engine must not wedge us
+    for (StoreOp* op : r->ops) op->error = std::current_exception();
+    finish(*r);
+    return;
+  }
+  if (!r->pending) {
+    apply(*r);
+  } else if (!r->pending->done()) {
+    // The round is told once; a wait destroyed before it finishes gives back its count.
+    struct Once {
+      Once(GroupCommit* s, std::shared_ptr<Round> r) : self(s), round(std::move(r)) {}
+      Once(const Once&) = delete;
+      Once& operator=(const Once&) = delete;
+      ~Once() {
+        if (!told) self->abandon();
+      }
+      GroupCommit* self;
+      std::shared_ptr<Round> round;
+      bool told = false;
+    };
+    if (drive) {
+      auto once = std::make_shared<Once>(this, r);
+      try {
+        drive(*r->pending, [once] {
+          once->told = true;
+          once->self->finish(*once->round);
+        });
+        return;
+      } catch (...) {  // cannot wait on it there: finish the batch here
+        once->told = true;
+      }
+    }
+    while (!r->pending->done()) {
+      pollfd p{r->pending->descriptor(), POLLIN, 0};
+      if (::poll(&p, 1, -1) < 0 && errno != EINTR) {
+        r->pending->fail(
+            std::make_exception_ptr(StoreError("idem: cannot wait for the store's connection", 0)));
+      } else {
+        r->pending->advance();
+      }
+    }
+  }
+  finish(*r);
 }
 
 void GroupCommit::commit(StoreOp& op) {
   thread_local const std::shared_ptr<Bell> bell = std::make_shared<Bell>();
   std::unique_lock lock(mutex_);
   queue_.push_back(Pending{&op, nullptr, bell});
-  if (committing_) {
+  if (rounds_ >= max_rounds_) {
     lock.unlock();
     if (bell->wait() == Signal::committed) return;
-    lock.lock();  // the round was handed to us: committing_ is ours
+    lock.lock();  // the round was handed to us: it is counted for us
   } else {
-    committing_ = true;
+    ++rounds_;
   }
   lead_blocking(lock);
   bell->wait();  // the round rang our own bell too: returns at once and resets it
@@ -98,23 +148,35 @@ void GroupCommit::gather(std::unique_lock<std::mutex>& lock) {
   }
 }
 
-void GroupCommit::round(std::unique_lock<std::mutex>& lock) noexcept {
-  std::vector<Pending> batch;
-  batch.swap(queue_);
-  last_batch_ = batch.size();
+std::shared_ptr<GroupCommit::Round> GroupCommit::take(std::unique_lock<std::mutex>& lock) {
+  auto r = std::make_shared<Round>();
+  r->batch.swap(queue_);
+  last_batch_ = r->batch.size();
   lock.unlock();
-  std::vector<StoreOp*> ops;
+  r->ops.reserve(r->batch.size());
+  for (const Pending& p : r->batch) r->ops.push_back(p.op);
+  return r;
+}
+
+void GroupCommit::apply(Round& r) noexcept {
   try {
-    ops.reserve(batch.size());
-    for (const Pending& p : batch) ops.push_back(p.op);
-    store_.apply(ops);  // never throws by contract; a broken engine must not wedge the queue
+    store_.apply(r.ops);  // never throws by contract; a broken engine must not wedge the queue
   } catch (...) {
-    for (const Pending& p : batch) {
-      if (!p.op->error) p.op->error = std::current_exception();
+    for (StoreOp* op : r.ops) {
+      if (!op->error) op->error = std::current_exception();
     }
   }
-  lock.lock();
-  committing_ = false;
+}
+
+void GroupCommit::round(std::unique_lock<std::mutex>& lock) noexcept {
+  const std::shared_ptr<Round> r = take(lock);
+  apply(*r);
+  finish(*r);
+}
+
+void GroupCommit::finish(Round& r) noexcept {
+  std::unique_lock lock(mutex_);
+  --rounds_;
   std::optional<Pending> next_leader;
   if (!queue_.empty()) {
     // Hand on: to a waiting thread if there is one (it needs no event loop), else to the
@@ -122,9 +184,11 @@ void GroupCommit::round(std::unique_lock<std::mutex>& lock) noexcept {
     const auto next = std::find_if(queue_.begin(), queue_.end(),
                                    [](const Pending& p) { return p.bell != nullptr; });
     if (next != queue_.end()) {
-      committing_ = true;
-      next_leader = *next;
-    } else if (!lead_posted_) {
+      if (rounds_ < max_rounds_) {
+        ++rounds_;
+        next_leader = *next;
+      }
+    } else if (!lead_posted_ && rounds_ < max_rounds_) {
       lead_posted_ = true;
       next_leader = queue_.front();
     }
@@ -132,7 +196,12 @@ void GroupCommit::round(std::unique_lock<std::mutex>& lock) noexcept {
   lock.unlock();
   // The next leader first: the round after this one waits for nobody else.
   if (next_leader) next_leader->tell(Signal::lead);
-  for (const Pending& p : batch) p.tell(Signal::committed);
+  for (const Pending& p : r.batch) p.tell(Signal::committed);
+}
+
+void GroupCommit::abandon() noexcept {
+  std::lock_guard lock(mutex_);
+  --rounds_;
 }
 
 }  // namespace idem::detail

@@ -3,9 +3,11 @@
 // and the coroutine front end both write through here, so a thread-per-request server and a
 // coroutine server batch alike.
 //
-// One round at a time commits: it takes everything queued, applies it, tells each writer of
-// the batch, and hands the next round to a writer that queued meanwhile. A leader commits
-// one batch and no more, so no caller carries others' writes for long.
+// A round takes everything queued, applies it, tells each writer of the batch, and hands the
+// next round to a writer that queued meanwhile. A leader commits one batch and no more, so no
+// caller carries others' writes for long. Up to Store::concurrent_applies() rounds run at
+// once (one for SqliteStore; one per batch connection for PgStore): while one batch is in
+// the database, the next one gathers and goes out on another connection.
 //
 // A blocking writer never depends on an event loop: if no round is running it leads at once
 // (even when a coroutine's round is posted but has not started), and a hand-off goes to a
@@ -16,14 +18,18 @@
 // other work (a slow yield), gathering backs off.
 //
 // A coroutine writer posts its round to its executor, so every coroutine that becomes ready
-// in the same turn joins the batch; its ops may also be committed by any other leader. The
-// io_context of a coroutine that is waiting here must outlive the wait (as for any Asio operation
-// in progress).
+// in the same turn joins the batch; its ops may also be committed by any other leader. Its
+// round starts the batch with Store::start_apply() where the store can, and the event loop
+// waits for the store's socket (lead()'s Drive), so its thread runs other coroutines
+// meanwhile; otherwise the round runs Store::apply() on that thread. The io_context of a
+// coroutine that is waiting here must outlive the wait (as for any Asio operation in
+// progress).
 //
 // Writers are told after the queue's lock is released, so a woken thread does not go
 // straight back to sleep on that lock.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <functional>
@@ -38,7 +44,8 @@ namespace idem::detail {
 // Thread-safety: safe for concurrent use.
 class GroupCommit {
  public:
-  explicit GroupCommit(Store& store) : store_(store) {}
+  explicit GroupCommit(Store& store)
+      : store_(store), max_rounds_(std::max<std::size_t>(1, store.concurrent_applies())) {}
   GroupCommit(const GroupCommit&) = delete;
   GroupCommit& operator=(const GroupCommit&) = delete;
 
@@ -57,9 +64,15 @@ class GroupCommit {
   // true when the caller must post lead() itself (nobody commits or has a round posted).
   bool enqueue(StoreOp& op, Notify notify);
 
-  // A posted round: commits what is queued unless a round is already running (which hands
-  // on to the queue when it ends) or nothing is queued.
-  void lead() noexcept;
+  // How a coroutine's round waits for a batch the store started (Store::start_apply): waits
+  // for the descriptor, calls advance() until done() and then `finished`, once, on any
+  // thread. Throws (before waiting) if it cannot wait: then the round finishes it by blocking.
+  using Drive = std::function<void(PendingApply& pending, std::function<void()> finished)>;
+
+  // A posted round: commits what is queued unless as many rounds as the store allows are
+  // running (one of them hands on to the queue when it ends) or nothing is queued. Without
+  // `drive`, a batch the store started is waited for here, blocking.
+  void lead(const Drive& drive = {}) noexcept;
 
  private:
   // A blocking thread's doorbell, one per thread, shared with the round that rings it so a
@@ -81,13 +94,30 @@ class GroupCommit {
   void lead_blocking(std::unique_lock<std::mutex>& lock);
   // Yields the CPU until the last round's writers are back; backs off when a yield is slow.
   void gather(std::unique_lock<std::mutex>& lock);
-  // Runs one round; requires committing_ set by the caller. Returns with the lock released.
+  // One round's batch, kept until its writers are told.
+  struct Round {
+    std::vector<Pending> batch;
+    std::vector<StoreOp*> ops;
+    std::unique_ptr<PendingApply> pending;
+  };
+
+  // Takes the queue as a round; requires a round counted in rounds_ by the caller. Returns
+  // with the lock released.
+  std::shared_ptr<Round> take(std::unique_lock<std::mutex>& lock);
+  // Runs one round with Store::apply(); returns with the lock released.
   void round(std::unique_lock<std::mutex>& lock) noexcept;
+  // A round's batch is decided: uncounts the round, hands on and tells its writers.
+  void finish(Round& r) noexcept;
+  // A round whose writers can no longer be told (its wait was destroyed unfinished).
+  void abandon() noexcept;
+  // Applies a round's ops with Store::apply().
+  void apply(Round& r) noexcept;
 
   Store& store_;
+  const std::size_t max_rounds_;  // Store::concurrent_applies(), at least 1
   std::mutex mutex_;
   std::vector<Pending> queue_;  // guarded by mutex_
-  bool committing_ = false;     // guarded by mutex_: a round is running (or handed to a thread)
+  std::size_t rounds_ = 0;      // guarded by mutex_: rounds running (or handed to a thread)
   bool lead_posted_ = false;    // guarded by mutex_: a coroutine's round is posted, not started
   std::size_t last_batch_ = 0;  // guarded by mutex_: ops in the last round
   int gather_skips_ = 0;        // guarded by mutex_: rounds left that do not gather

@@ -11,12 +11,13 @@
 
 namespace idem::detail {
 
-PgListener::PgListener(Connect connect, std::string listen, Notify notify,
+PgListener::PgListener(Connect connect, std::string listen, Notify notify, Listening listening,
                        std::chrono::milliseconds reconnect_min,
                        std::chrono::milliseconds reconnect_max)
     : connect_(std::move(connect)),
       listen_(std::move(listen)),
       notify_(std::move(notify)),
+      listening_(std::move(listening)),
       reconnect_min_(reconnect_min),
       reconnect_max_(reconnect_max),
       stop_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
@@ -61,6 +62,7 @@ void PgListener::run() {
         continue;
       }
       backoff = reconnect_min_;
+      listening_();
     }
     pollfd fds[2] = {{PQsocket(c), POLLIN, 0}, {stop_fd_, POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) continue;  // EINTR

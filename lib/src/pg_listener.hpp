@@ -20,12 +20,15 @@ class PgListener {
   using Connect = std::function<PGconn*()>;
   // A notification's payload and the backend pid of the session that sent it.
   using Notify = std::function<void(std::string_view payload, int sender_pid)>;
+  // Called on the listener's thread each time LISTEN takes effect (first and after a
+  // reconnect): notifications committed from then on reach `notify`.
+  using Listening = std::function<void()>;
 
   // Starts the thread. `listen` is the LISTEN statement. A lost connection is opened again
   // after reconnect_min, doubling up to reconnect_max; notifications sent meanwhile are lost
   // (waiters poll the store all the same). Throws std::system_error if the thread cannot
   // start.
-  PgListener(Connect connect, std::string listen, Notify notify,
+  PgListener(Connect connect, std::string listen, Notify notify, Listening listening,
              std::chrono::milliseconds reconnect_min, std::chrono::milliseconds reconnect_max);
   // Stops the thread: after it returns, the callback is not running and never runs again.
   ~PgListener();
@@ -41,6 +44,7 @@ class PgListener {
   Connect connect_;
   std::string listen_;
   Notify notify_;
+  Listening listening_;
   std::chrono::milliseconds reconnect_min_, reconnect_max_;
   int stop_fd_;  // an eventfd: readable once the destructor asks the thread to stop
   std::thread thread_;

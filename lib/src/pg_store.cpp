@@ -3,9 +3,13 @@
 #include <fmt/format.h>
 #include <libpq-fe.h>
 
+#include <poll.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -33,6 +37,7 @@ constexpr Oid kBoolOid = 16, kByteaOid = 17, kInt8Oid = 20, kInt2Oid = 21, kInt4
 // A batch goes in one pipeline and one transaction up to this many ops; a longer one is split
 // (each part its own transaction), so neither side's socket buffer fills while the other waits.
 constexpr std::size_t kMaxPipelineOps = 128;
+constexpr std::size_t kMaxBatchConnections = 64;
 
 // On the database's clock, how far apart an imported time and an earlier copy of it may be and
 // still count as the same time (PgImport::records): each run measures the clock's offset anew,
@@ -276,10 +281,21 @@ struct PgStore::Impl {
   std::chrono::milliseconds backoff;
   SteadyClock::time_point next_attempt{};
   std::string last_failure;
-  SteadyClock::time_point measured{};
+  // The main session (this one, in the main session). The batch sessions use its clock
+  // offset: when it was last measured (SteadyClock ticks) and the server's clock minus
+  // local_clock's, in ms.
+  Impl* owner = this;
+  std::atomic<SteadyClock::rep> measured{0};
   std::atomic<std::int64_t> offset{0};
   std::atomic<std::uint64_t> transactions{0}, committed_ops{0}, round_trips{0}, connects{0};
-  std::atomic<std::uint64_t> notify_batches{0}, wakeups{0};
+  std::atomic<std::uint64_t> notify_batches{0}, wakeups{0}, listens{0};
+  // In the main session: start_apply()'s batches, how many are in flight and the most ever.
+  std::atomic<std::uint64_t> started{0};
+  std::atomic<std::size_t> in_flight{0}, most_in_flight{0};
+  // The batch connections (PgOptions::batch_connections), each a session of its own that
+  // connects on first use; empty in a batch session. Fixed after construction;
+  // declared before the listener, whose thread reads it (own()), so it outlives that thread.
+  std::vector<std::unique_ptr<Impl>> batch;
   // Wake-ups (PgOptions::notify): the channel (pg_notify's argument), the write
   // connection's backend (its own notifications are not news to this process), the
   // listeners and the LISTEN connection, started with the first listener.
@@ -297,6 +313,11 @@ struct PgStore::Impl {
       throw error(errc::invalid_argument,
                   "idem: PgOptions::schema must be a non-empty name without '$'");
     }
+    if (options.batch_connections > kMaxBatchConnections) {
+      throw error(errc::invalid_argument,
+                  fmt::format("idem: PgOptions::batch_connections is {}, more than {}",
+                              options.batch_connections, kMaxBatchConnections));
+    }
     if (!options.local_clock) options.local_clock = std::make_shared<SystemClock>();
     backoff = options.reconnect_min;
     connect();
@@ -306,13 +327,56 @@ struct PgStore::Impl {
       if (conn != nullptr) PQfinish(conn);  // no destructor runs for a half-built Impl
       throw;
     }
+    for (std::size_t i = 0; i < options.batch_connections; ++i)
+      batch.push_back(std::make_unique<Impl>(BatchOf{*this}));
+  }
+
+  // A batch session of `main`: the same server, schema and options; not connected yet (its
+  // first use connects, prepares and measures the clock).
+  struct BatchOf {
+    Impl& main;
+  };
+  explicit Impl(BatchOf of)
+      : conninfo(of.main.conninfo),
+        options(of.main.options),
+        schema(of.main.schema),
+        texts(of.main.texts),
+        channel(of.main.channel) {
+    owner = &of.main;
+    backoff = options.reconnect_min;
+    last_failure = "not connected yet";
+  }
+
+  // A batch connection that was free, now locked by the caller; null when all are busy.
+  Impl* try_batch() {
+    // The first free one: under a light load the first stays busy and warm, and the others
+    // connect only when batches overlap.
+    for (const auto& s : batch) {
+      if (s->mutex.try_lock()) return s.get();
+    }
+    return nullptr;
+  }
+
+  // Whether `pid` is one of this store's connections (their notifications are not news).
+  bool own(int pid) const {
+    if (pid == own_backend.load(std::memory_order_relaxed)) return true;
+    return std::any_of(batch.begin(), batch.end(), [pid](const auto& s) {
+      return pid == s->own_backend.load(std::memory_order_relaxed);
+    });
   }
 
   ~Impl() {
     if (conn != nullptr) PQfinish(conn);
   }
 
-  Shift shift() const { return Shift{offset.load(std::memory_order_relaxed)}; }
+  Shift shift() const { return Shift{owner->offset.load(std::memory_order_relaxed)}; }
+
+  // Whether the shared offset is older than PgOptions::clock_refresh (or was never measured).
+  bool clock_stale() const {
+    const SteadyClock::rep at = owner->measured.load(std::memory_order_relaxed);
+    return at == 0 || SteadyClock::now() - SteadyClock::time_point(SteadyClock::duration(at)) >
+                          options.clock_refresh;
+  }
 
   // ---- the connection ----
 
@@ -390,9 +454,7 @@ struct PgStore::Impl {
   void ensure() {
     if (conn != nullptr && PQstatus(conn) == CONNECTION_BAD) drop(PQerrorMessage(conn));
     if (conn != nullptr) {
-      if (options.clock == PgClock::database &&
-          SteadyClock::now() - measured > options.clock_refresh)
-        measure_clock();
+      if (options.clock == PgClock::database && clock_stale()) measure_clock();
       return;
     }
     if (SteadyClock::now() < next_attempt) {
@@ -402,7 +464,8 @@ struct PgStore::Impl {
     try {
       connect();
       prepare();
-      if (options.clock == PgClock::database) measure_clock();
+      // A batch session keeps its main's offset unless it is due.
+      if (options.clock == PgClock::database && (owner == this || clock_stale())) measure_clock();
       backoff = options.reconnect_min;
     } catch (const StoreError& e) {
       if (conn != nullptr) PQfinish(conn);
@@ -454,8 +517,8 @@ struct PgStore::Impl {
     const TimePoint after = options.local_clock->now();
     const std::int64_t db = int_at(r.get(), 0, 0);
     const std::int64_t local = detail::ms(before + (after - before) / 2);
-    offset.store(db - local, std::memory_order_relaxed);
-    measured = SteadyClock::now();
+    owner->offset.store(db - local, std::memory_order_relaxed);
+    owner->measured.store(SteadyClock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
 
   // ---- the schema ----
@@ -651,12 +714,52 @@ struct PgStore::Impl {
     op_failed,  // one op (or the COMMIT) failed: nothing was committed, the ops are untouched
   };
 
-  // The ops in one pipeline: BEGIN, each op, COMMIT, one sync, one round trip. Throws
-  // StoreError if the connection cannot be had, or broke on the way: then whether the COMMIT
-  // took effect is unknown, and running the ops again could find their own writes.
-  // Requires `mutex`.
-  Pipelined apply_pipelined(std::span<StoreOp* const> ops, std::span<Params> params) {
-    ensure();
+  // A pipeline's results as they arrive: BEGIN, each op, [the NOTIFY,] COMMIT (each followed
+  // by a null), then the sync.
+  struct Incoming {
+    std::size_t commands = 0;
+    std::vector<Result> results;
+    bool ok = true;  // every command succeeded
+    bool synced = false;
+
+    // Takes every result that has arrived, without blocking for more. Returns false if the
+    // connection broke (or answered out of turn).
+    bool take(PGconn* c) {
+      if (PQconsumeInput(c) == 0) return false;
+      int nulls = 0;
+      while (!synced && PQisBusy(c) == 0) {
+        Result r(PQgetResult(c));
+        if (!r) {
+          if (++nulls > 1) return false;  // nothing more is queued, yet no sync came
+          continue;
+        }
+        nulls = 0;
+        const ExecStatusType status = PQresultStatus(r.get());
+        if (status == PGRES_PIPELINE_SYNC) {
+          synced = true;
+        } else if (results.size() < commands) {
+          if (status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK) ok = false;
+          results.push_back(std::move(r));
+        } else {
+          return false;
+        }
+      }
+      return true;
+    }
+  };
+
+  // A StoreError for a pipeline that broke on its way; drops the connection.
+  [[noreturn]] void broken(std::string_view what) {
+    StoreError e = pg_error(what, nullptr, conn);
+    drop(e.what());
+    throw e;
+  }
+
+  // Sends the ops in one pipeline: BEGIN, each op, COMMIT, one sync, one round trip. Throws
+  // StoreError if it cannot be sent (the connection is dropped). Requires `mutex` and a
+  // connection (ensure()).
+  Incoming send_pipeline(std::span<StoreOp* const> ops, std::span<Params> params,
+                         const std::string& payload) {
     if (PQenterPipelineMode(conn) != 1) throw failure("entering pipeline mode", nullptr);
     bool sent =
         PQsendQueryParams(conn, pg_sql::kBegin, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
@@ -665,7 +768,6 @@ struct PgStore::Impl {
       sent = PQsendQueryPrepared(conn, statement_name(statement_of(*ops[i])).c_str(), p.count(),
                                  p.values(), p.lengths(), p.formats(), 1) == 1;
     }
-    const std::string payload = notify_payload(ops);
     if (sent && !payload.empty()) {
       const char* values[] = {channel.c_str(), payload.c_str()};
       sent = PQsendQueryParams(conn, pg_sql::kNotify, 2, nullptr, values, nullptr, nullptr, 0) == 1;
@@ -674,54 +776,115 @@ struct PgStore::Impl {
            PQsendQueryParams(conn, pg_sql::kCommit, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
     sent = sent && PQpipelineSync(conn) == 1;
     round_trips.fetch_add(1, std::memory_order_relaxed);
-    if (!sent) {
-      StoreError e = pg_error("sending a pipeline", nullptr, conn);
-      drop(e.what());
-      throw e;
-    }
-    // Results: BEGIN, each op, COMMIT (each followed by a null), then the sync.
-    std::vector<Result> results;
-    bool ok = true;
-    const std::size_t commands = ops.size() + 2 + (payload.empty() ? 0 : 1);
-    for (std::size_t i = 0; i < commands; ++i) {
-      Result r(PQgetResult(conn));
-      if (!r) {
-        ok = false;
-        break;
-      }
-      const ExecStatusType status = PQresultStatus(r.get());
-      if (status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK) ok = false;
-      results.push_back(std::move(r));
-      while (PGresult* extra = PQgetResult(conn)) PQclear(extra);  // the null after a command
-    }
-    bool synced = false;
-    for (int guard = 0; guard < 4 && !synced; ++guard) {
-      Result r(PQgetResult(conn));
-      if (!r) break;
-      synced = PQresultStatus(r.get()) == PGRES_PIPELINE_SYNC;
-    }
-    if (!synced || PQexitPipelineMode(conn) != 1) {
-      StoreError e =
-          pg_error("a pipeline broke before its end (its outcome is unknown)", nullptr, conn);
-      drop(e.what());
-      throw e;
-    }
-    if (!ok) {
+    if (!sent) broken("sending a pipeline");
+    Incoming in;
+    in.commands = ops.size() + 2 + (payload.empty() ? 0 : 1);
+    return in;
+  }
+
+  // Ends a pipeline whose sync came: the ops get their outcomes. Throws StoreError if it
+  // broke before its end (then whether the COMMIT took effect is unknown, and running the ops
+  // again could find their own writes). Requires `mutex`.
+  Pipelined conclude(std::span<StoreOp* const> ops, Incoming& in, bool notified) {
+    if (!in.synced || PQexitPipelineMode(conn) != 1)
+      broken("a pipeline broke before its end (its outcome is unknown)");
+    if (!in.ok) {
       // The sync ends the pipeline, not the transaction BEGIN opened: it is left aborted.
       if (PQtransactionStatus(conn) != PQTRANS_IDLE) simple(pg_sql::kRollback);
       return Pipelined::op_failed;
     }
     for (std::size_t i = 0; i < ops.size(); ++i) {
       try {
-        take(*ops[i], results[i + 1].get());
+        take(*ops[i], in.results[i + 1].get());
       } catch (...) {
         ops[i]->error = std::current_exception();
       }
     }
     transactions.fetch_add(1, std::memory_order_relaxed);
     committed_ops.fetch_add(ops.size(), std::memory_order_relaxed);
-    if (!payload.empty()) notify_batches.fetch_add(1, std::memory_order_relaxed);
+    if (notified) notify_batches.fetch_add(1, std::memory_order_relaxed);
     return Pipelined::committed;
+  }
+
+  // The ops in one pipeline and one transaction, waiting for the results on this thread.
+  // Throws StoreError as send_pipeline() and conclude(). Requires `mutex`.
+  Pipelined apply_pipelined(std::span<StoreOp* const> ops, std::span<Params> params) {
+    ensure();
+    const std::string payload = notify_payload(ops);
+    Incoming in = send_pipeline(ops, params, payload);
+    while (!in.synced) {
+      if (!in.take(conn)) break;
+      if (in.synced) break;
+      pollfd p{PQsocket(conn), POLLIN, 0};
+      if (::poll(&p, 1, -1) < 0 && errno != EINTR) break;
+    }
+    return conclude(ops, in, !payload.empty());
+  }
+
+  // What apply() does with a batch of ops, in pipelines of at most kMaxPipelineOps ops (their
+  // order: sorted by key, see PgStore::apply). Ops whose inputs cannot be sent fail alone.
+  struct Plan {
+    std::vector<StoreOp*> sendable;
+    std::vector<Params> params;
+  };
+  Plan plan(std::span<StoreOp* const> ops) const {
+    // Rows are locked in key order, so two nodes' batches never wait for each other in a
+    // cycle; ops on one key keep their order (a stable sort).
+    std::vector<StoreOp*> sorted(ops.begin(), ops.end());
+    std::stable_sort(sorted.begin(), sorted.end(), [](const StoreOp* a, const StoreOp* b) {
+      return std::tie(a->id->tenant, a->id->operation, a->id->key) <
+             std::tie(b->id->tenant, b->id->operation, b->id->key);
+    });
+    // An op whose inputs cannot be sent (a header that is not UTF-8) fails alone, before any
+    // round trip.
+    Plan out;
+    for (StoreOp* op : sorted) {
+      try {
+        out.params.push_back(params_of(*op));
+        out.sendable.push_back(op);
+      } catch (...) {
+        op->error = std::current_exception();
+      }
+    }
+    return out;
+  }
+
+  // One pipeline's outcome: on a broken connection every op fails alike; when one op broke
+  // the transaction, each op runs on its own, so its neighbours still succeed. Requires
+  // `mutex`.
+  void settle(std::span<StoreOp* const> part, const std::function<Pipelined()>& run_it) {
+    Pipelined outcome{};
+    try {
+      outcome = run_it();
+    } catch (...) {
+      for (StoreOp* op : part) op->error = std::current_exception();
+      return;
+    }
+    if (outcome == Pipelined::op_failed) {
+      for (StoreOp* op : part) apply_single(*op);
+    }
+  }
+
+  // apply() on this connection. Requires `mutex`.
+  void apply_all(std::span<StoreOp* const> ops) {
+    // One op alone is one statement; one that wakes others goes with its NOTIFY in a pipeline.
+    if (ops.size() == 1 && (!options.notify || !wakes(*ops[0]))) {
+      apply_single(*ops[0]);
+      return;
+    }
+    try {
+      ensure();  // first: a reconnection may measure a new clock offset, which the params use
+    } catch (...) {
+      for (StoreOp* op : ops) op->error = std::current_exception();
+      return;
+    }
+    Plan pl = plan(ops);
+    for (std::size_t first = 0; first < pl.sendable.size(); first += kMaxPipelineOps) {
+      const std::size_t n = std::min(kMaxPipelineOps, pl.sendable.size() - first);
+      const std::span<StoreOp* const> part(pl.sendable.data() + first, n);
+      settle(part,
+             [&] { return apply_pipelined(part, std::span<Params>(pl.params.data() + first, n)); });
+    }
   }
 
   // ---- wake-ups ----
@@ -753,7 +916,7 @@ struct PgStore::Impl {
 
   // A notification reached the listener's thread.
   void notified(std::string_view payload, int sender) {
-    if (sender == own_backend.load(std::memory_order_relaxed)) return;  // our own commit
+    if (own(sender)) return;  // our own commit
     const nlohmann::json j = nlohmann::json::parse(payload, nullptr, false);
     if (!j.is_array() || j.size() != 3 || !j[0].is_string() || !j[1].is_string() ||
         !j[2].is_string())
@@ -893,6 +1056,104 @@ class PgLocal final : public LocalTransaction {
 
 }  // namespace
 
+namespace detail {
+
+// PgStore::start_apply's batch: its pipelines on one batch connection, whose lock it holds
+// from construction until it is done; their results are taken as they arrive (advance()),
+// each pipeline sent when the one before it has ended.
+class PgPending final : public PendingApply {
+ public:
+  using Session = PgStore::Impl;
+
+  // `s`'s lock is held by the caller and passes to this object.
+  PgPending(Session& s, std::span<StoreOp* const> ops) : s_(s) {
+    Session& main = *s_.owner;
+    main.started.fetch_add(1, std::memory_order_relaxed);
+    const std::size_t now = main.in_flight.fetch_add(1, std::memory_order_relaxed) + 1;
+    std::size_t most = main.most_in_flight.load(std::memory_order_relaxed);
+    while (now > most && !main.most_in_flight.compare_exchange_weak(most, now)) {
+    }
+    try {
+      s_.ensure();  // first: a reconnection may measure a new clock offset, which the params use
+    } catch (...) {
+      for (StoreOp* op : ops) op->error = std::current_exception();
+      finish();
+      return;
+    }
+    plan_ = s_.plan(ops);
+    send_next();
+  }
+
+  ~PgPending() override {
+    if (!done_) s_.drop("a batch was abandoned before its results came");
+    finish();
+  }
+
+  PgPending(const PgPending&) = delete;
+  PgPending& operator=(const PgPending&) = delete;
+
+  int descriptor() const noexcept override { return done_ ? -1 : PQsocket(s_.conn); }
+  bool done() const noexcept override { return done_; }
+
+  void advance() noexcept override {
+    if (done_) return;
+    if (in_.take(s_.conn) && !in_.synced) return;  // more to come
+    end_pipeline();
+  }
+
+  void fail(std::exception_ptr why) noexcept override {
+    if (done_) return;
+    for (std::size_t i = first_; i < plan_.sendable.size(); ++i) plan_.sendable[i]->error = why;
+    s_.drop("the wait for a batch's results failed");
+    finish();
+  }
+
+ private:
+  std::span<StoreOp* const> part() const { return {plan_.sendable.data() + first_, count_}; }
+
+  // Sends the next pipeline, or finishes when none is left.
+  void send_next() noexcept {
+    while (first_ < plan_.sendable.size()) {
+      count_ = std::min(kMaxPipelineOps, plan_.sendable.size() - first_);
+      try {
+        s_.ensure();
+        payload_ = s_.notify_payload(part());
+        in_ = s_.send_pipeline(part(), std::span<Params>(plan_.params.data() + first_, count_),
+                               payload_);
+        return;
+      } catch (...) {
+        for (StoreOp* op : part()) op->error = std::current_exception();
+        first_ += count_;
+      }
+    }
+    finish();
+  }
+
+  // The current pipeline's sync came, or its connection broke.
+  void end_pipeline() noexcept {
+    s_.settle(part(), [this] { return s_.conclude(part(), in_, !payload_.empty()); });
+    first_ += count_;
+    send_next();
+  }
+
+  void finish() noexcept {
+    if (done_) return;
+    done_ = true;
+    s_.owner->in_flight.fetch_sub(1, std::memory_order_relaxed);
+    s_.mutex.unlock();
+  }
+
+  Session& s_;
+  Session::Plan plan_;
+  std::size_t first_ = 0;  // the current pipeline's first op in plan_.sendable
+  std::size_t count_ = 0;  // and how many it carries
+  std::string payload_;
+  Session::Incoming in_;
+  bool done_ = false;
+};
+
+}  // namespace detail
+
 PgStore::PgStore(const std::string& conninfo, PgOptions options)
     : impl_(std::make_unique<Impl>(conninfo, std::move(options))) {}
 
@@ -901,12 +1162,21 @@ PgStore::~PgStore() = default;
 int PgStore::schema_version() noexcept { return static_cast<int>(pg_sql::kMigrations.size()); }
 
 PgStore::Stats PgStore::stats() const {
-  return Stats{impl_->transactions.load(std::memory_order_relaxed),
-               impl_->committed_ops.load(std::memory_order_relaxed),
-               impl_->round_trips.load(std::memory_order_relaxed),
-               impl_->connects.load(std::memory_order_relaxed),
-               impl_->notify_batches.load(std::memory_order_relaxed),
-               impl_->wakeups.load(std::memory_order_relaxed)};
+  Stats out;
+  const auto add = [&out](const Impl& d) {
+    out.transactions += d.transactions.load(std::memory_order_relaxed);
+    out.ops += d.committed_ops.load(std::memory_order_relaxed);
+    out.round_trips += d.round_trips.load(std::memory_order_relaxed);
+    out.connects += d.connects.load(std::memory_order_relaxed);
+    out.notify_batches += d.notify_batches.load(std::memory_order_relaxed);
+  };
+  add(*impl_);
+  for (const auto& s : impl_->batch) add(*s);
+  out.async_batches = impl_->started.load(std::memory_order_relaxed);
+  out.most_batches_in_flight = impl_->most_in_flight.load(std::memory_order_relaxed);
+  out.wakeups = impl_->wakeups.load(std::memory_order_relaxed);
+  out.listens = impl_->listens.load(std::memory_order_relaxed);
+  return out;
 }
 
 std::uint64_t PgStore::add_change_listener(ChangeListener listener) {
@@ -924,7 +1194,8 @@ std::uint64_t PgStore::add_change_listener(ChangeListener listener) {
         },
         fmt::format(fmt::runtime(pg_sql::kListen), d.quoted_channel()),
         [&d](std::string_view payload, int sender) { d.notified(payload, sender); },
-        d.options.reconnect_min, d.options.reconnect_max);
+        [&d] { d.listens.fetch_add(1, std::memory_order_relaxed); }, d.options.reconnect_min,
+        d.options.reconnect_max);
   }
   return id;
 }
@@ -947,52 +1218,27 @@ std::chrono::milliseconds PgStore::clock_offset() const {
 void PgStore::apply(std::span<StoreOp* const> ops) {
   if (ops.empty()) return;
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
-  // One op alone is one statement; one that wakes others goes with its NOTIFY in a pipeline.
-  if (ops.size() == 1 && (!d.options.notify || !Impl::wakes(*ops[0]))) {
-    d.apply_single(*ops[0]);
-    return;
+  // A free batch connection, or else the main one, waiting for it.
+  Impl* s = d.try_batch();
+  std::unique_lock<detail::FairMutex> lock;
+  if (s == nullptr) {
+    s = &d;
+    lock = std::unique_lock(d.mutex);
+  } else {
+    lock = std::unique_lock(s->mutex, std::adopt_lock);
   }
-  // Rows are locked in key order, so two nodes' batches never wait for each other in a
-  // cycle; ops on one key keep their order (a stable sort).
-  std::vector<StoreOp*> sorted(ops.begin(), ops.end());
-  std::stable_sort(sorted.begin(), sorted.end(), [](const StoreOp* a, const StoreOp* b) {
-    return std::tie(a->id->tenant, a->id->operation, a->id->key) <
-           std::tie(b->id->tenant, b->id->operation, b->id->key);
-  });
-  try {
-    d.ensure();  // first: a reconnection may measure a new clock offset, which the params use
-  } catch (...) {
-    for (StoreOp* op : ops) op->error = std::current_exception();
-    return;
-  }
-  // An op whose inputs cannot be sent (a header that is not UTF-8) fails alone, before any
-  // round trip.
-  std::vector<StoreOp*> sendable;
-  std::vector<Params> params;
-  for (StoreOp* op : sorted) {
-    try {
-      params.push_back(d.params_of(*op));
-      sendable.push_back(op);
-    } catch (...) {
-      op->error = std::current_exception();
-    }
-  }
-  for (std::size_t first = 0; first < sendable.size(); first += kMaxPipelineOps) {
-    const std::size_t n = std::min(kMaxPipelineOps, sendable.size() - first);
-    const std::span<StoreOp* const> part(sendable.data() + first, n);
-    Impl::Pipelined outcome{};
-    try {
-      outcome = d.apply_pipelined(part, std::span<Params>(params.data() + first, n));
-    } catch (...) {  // no connection, or it broke: every op fails alike
-      for (StoreOp* op : part) op->error = std::current_exception();
-      continue;
-    }
-    // One op broke the transaction: each op on its own, so its neighbours still succeed.
-    if (outcome == Impl::Pipelined::op_failed) {
-      for (StoreOp* op : part) d.apply_single(*op);
-    }
-  }
+  s->apply_all(ops);
+}
+
+std::unique_ptr<PendingApply> PgStore::start_apply(std::span<StoreOp* const> ops) {
+  if (ops.empty()) return nullptr;
+  Impl* s = impl_->try_batch();
+  if (s == nullptr) return nullptr;  // every batch connection is busy: apply() waits
+  return std::make_unique<detail::PgPending>(*s, ops);
+}
+
+std::size_t PgStore::concurrent_applies() const noexcept {
+  return std::max<std::size_t>(1, impl_->batch.size());
 }
 
 bool PgStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <functional>
 #include <list>
 #include <mutex>
 #include <unordered_map>
@@ -144,13 +145,19 @@ std::optional<Record> ReplayCache::store_if_absent(const KeyId& id, const Finger
   return winner;
 }
 
-void ReplayCache::apply(std::span<StoreOp* const> ops) {
+namespace {
+
+bool looks(const StoreOp& op) {
+  return op.kind == StoreOp::Kind::reserve || op.kind == StoreOp::Kind::store_if_absent;
+}
+
+}  // namespace
+
+std::vector<StoreOp*> ReplayCache::answer_held(std::span<StoreOp* const> ops) {
   std::vector<StoreOp*> rest;
   rest.reserve(ops.size());
   for (StoreOp* op : ops) {
-    const bool looks =
-        op->kind == StoreOp::Kind::reserve || op->kind == StoreOp::Kind::store_if_absent;
-    if (looks) {
+    if (looks(*op)) {
       if (std::optional<Record> held = impl_->lookup(*op->id, op->now)) {
         op->reservation = found(std::move(*held));
         continue;
@@ -158,12 +165,84 @@ void ReplayCache::apply(std::span<StoreOp* const> ops) {
     }
     rest.push_back(op);
   }
+  return rest;
+}
+
+void ReplayCache::remember_all(std::span<StoreOp* const> ops) {
+  for (const StoreOp* op : ops) {
+    if (looks(*op)) impl_->remember_found(*op);
+  }
+}
+
+void ReplayCache::apply(std::span<StoreOp* const> ops) {
+  const std::vector<StoreOp*> rest = answer_held(ops);
   if (rest.empty()) return;
   StoreWrapper::apply(rest);
-  for (const StoreOp* op : rest) {
-    if (op->kind == StoreOp::Kind::reserve || op->kind == StoreOp::Kind::store_if_absent)
-      impl_->remember_found(*op);
+  remember_all(rest);
+}
+
+namespace {
+
+// The target's batch for the ops the cache could not answer; remembers what it found once
+// it is done.
+class CachedPending final : public PendingApply {
+ public:
+  CachedPending(ReplayCache& cache, std::vector<StoreOp*> rest,
+                std::function<void(std::span<StoreOp* const>)> remember)
+      : rest_(std::move(rest)), remember_(std::move(remember)) {
+    inner_ = cache.target().start_apply(rest_);
+    if (!inner_) {  // the target cannot: apply here
+      cache.target().apply(rest_);
+      conclude();
+    } else if (inner_->done()) {
+      conclude();
+    }
   }
+
+  int descriptor() const noexcept override { return done_ ? -1 : inner_->descriptor(); }
+  bool done() const noexcept override { return done_; }
+  void advance() noexcept override {
+    if (done_) return;
+    inner_->advance();
+    if (inner_->done()) conclude();
+  }
+  void fail(std::exception_ptr why) noexcept override {
+    if (done_) return;
+    inner_->fail(std::move(why));
+    conclude();
+  }
+
+ private:
+  void conclude() noexcept {
+    done_ = true;
+    try {
+      remember_(rest_);
+    } catch (...) {  // remembering is an optimisation: a record not held is read again
+    }
+  }
+
+  std::vector<StoreOp*> rest_;  // the target's span points here: kept until done
+  std::function<void(std::span<StoreOp* const>)> remember_;
+  std::unique_ptr<PendingApply> inner_;
+  bool done_ = false;
+};
+
+// Nothing left for the target: every op was answered from memory.
+class DonePending final : public PendingApply {
+ public:
+  int descriptor() const noexcept override { return -1; }
+  bool done() const noexcept override { return true; }
+  void advance() noexcept override {}
+  void fail(std::exception_ptr) noexcept override {}
+};
+
+}  // namespace
+
+std::unique_ptr<PendingApply> ReplayCache::start_apply(std::span<StoreOp* const> ops) {
+  std::vector<StoreOp*> rest = answer_held(ops);
+  if (rest.empty()) return std::make_unique<DonePending>();
+  return std::make_unique<CachedPending>(
+      *this, std::move(rest), [this](std::span<StoreOp* const> done) { remember_all(done); });
 }
 
 ReplayCache::Stats ReplayCache::stats() const {

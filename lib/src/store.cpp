@@ -13,6 +13,10 @@ namespace {
 
 }  // namespace
 
+std::unique_ptr<PendingApply> Store::start_apply(std::span<StoreOp* const>) { return nullptr; }
+
+std::size_t Store::concurrent_applies() const noexcept { return 1; }
+
 void Store::apply(std::span<StoreOp* const> ops) {
   for (StoreOp* p : ops) {
     StoreOp& op = *p;

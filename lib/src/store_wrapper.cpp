@@ -41,6 +41,14 @@ std::optional<Record> StoreWrapper::store_if_absent(const KeyId& id, const Finge
 
 void StoreWrapper::apply(std::span<StoreOp* const> ops) { target_->apply(ops); }
 
+std::unique_ptr<PendingApply> StoreWrapper::start_apply(std::span<StoreOp* const>) {
+  return nullptr;
+}
+
+std::size_t StoreWrapper::concurrent_applies() const noexcept {
+  return target_->concurrent_applies();
+}
+
 std::optional<Progress> StoreWrapper::begin_steps(const KeyId& id, std::int64_t token,
                                                   const std::string& request) {
   return target_->begin_steps(id, token, request);

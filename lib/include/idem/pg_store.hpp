@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -15,6 +16,7 @@ namespace idem {
 
 namespace detail {
 struct PgImport;  // migrate_sqlite_to_pg's writes (idem/migrate.hpp)
+class PgPending;  // start_apply()'s batch
 }  // namespace detail
 
 // Whose clock the times in the database are on.
@@ -45,6 +47,15 @@ struct PgOptions {
   // operation fails at once with StoreError (retryable).
   std::chrono::milliseconds reconnect_min{50};
   std::chrono::milliseconds reconnect_max{2000};
+  // Connections beside the main one that carry the group commit's batches, each batch in one
+  // pipeline and one transaction: up to this many batches are in the database at once
+  // (Store::concurrent_applies()), while the next one gathers. A coroutine front end waits for
+  // them on its io_context (Store::start_apply()), so its thread goes on with other calls;
+  // threads use them too. Each connects on first use. The main connection carries
+  // everything else (reads, renewals, steps, the outbox, purges) and batches when every
+  // batch connection is busy. 0: every batch on the main connection, one at a time, a
+  // coroutine's thread waiting for it. At most 64. Default: 2.
+  std::size_t batch_connections = 2;
   // Wake duplicates waiting in other processes (LISTEN/NOTIFY): each batch that completes or
   // releases keys notifies them in its own transaction (one NOTIFY statement per batch, in
   // the same round trip), and each Coordinator on this store gets them on a second
@@ -62,9 +73,10 @@ struct PgOptions {
   bool notify = false;
 };
 
-// A Store on a PostgreSQL database (libpq), shared by threads of this process (one
-// connection behind a first-come-first-served lock) and by any number of processes and
-// nodes on the same database and schema. The schema is versioned in its idem_meta table and
+// A Store on a PostgreSQL database (libpq), shared by threads of this process (a main
+// connection behind a first-come-first-served lock, and PgOptions::batch_connections for the
+// group commit's batches) and by any number of processes and nodes on the same database and
+// schema. The schema is versioned in its idem_meta table and
 // migrated on open under an advisory lock, so nodes that start together migrate once.
 //
 // Every write is one statement (reservation and store_if_absent are server-side functions),
@@ -86,7 +98,8 @@ class PgStore final : public BatchedStore {
   // Connects with `conninfo` (libpq's "host=... dbname=..." or a postgresql:// URI),
   // migrates the schema and measures the clock offset. Throws StoreError if the server cannot
   // be reached or the schema is newer than this library knows; then no PgStore exists.
-  // Throws idem::error(errc::invalid_argument) for an empty schema name or one with a '$'.
+  // Throws idem::error(errc::invalid_argument) for an empty schema name or one with a '$', or
+  // more than 64 batch connections.
   // The connection gets defaults for what `conninfo` leaves unset: connect_timeout 5 s, TCP
   // keepalives after 5 s idle, tcp_user_timeout statement_timeout + 5 s, so a server that
   // vanishes is a StoreError within seconds; and READ COMMITTED, which the store relies on.
@@ -127,6 +140,12 @@ class PgStore final : public BatchedStore {
   std::size_t purge_expired(TimePoint now, std::size_t limit) override;
   std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
   void apply(std::span<StoreOp* const> ops) override;
+  // On a free batch connection (PgOptions::batch_connections): sends the batch and returns
+  // its wait on that connection's socket; null when every batch connection is busy, or
+  // there is none.
+  std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops) override;
+  // PgOptions::batch_connections (at least 1).
+  std::size_t concurrent_applies() const noexcept override;
   // PgOptions::notify: wake-ups from other processes (Store::add_change_listener). Throws
   // std::system_error if the listener's thread cannot start.
   std::uint64_t add_change_listener(ChangeListener listener) override;
@@ -134,7 +153,9 @@ class PgStore final : public BatchedStore {
 
   // How many write transactions committed, how many ops they carried, how many round trips
   // the store made and how often it connected; how many batches sent notifications and how
-  // many notifications from other processes reached the listeners (for benchmarks and tests).
+  // many notifications from other processes reached the listeners, and how many times the
+  // listening connection's LISTEN took effect (first and after each reconnect; a notification
+  // committed before it is not seen, and that waiter polls). For benchmarks and tests.
   struct Stats {
     std::uint64_t transactions = 0;
     std::uint64_t ops = 0;
@@ -142,6 +163,11 @@ class PgStore final : public BatchedStore {
     std::uint64_t connects = 0;
     std::uint64_t notify_batches = 0;
     std::uint64_t wakeups = 0;
+    std::uint64_t listens = 0;
+    // Batches an event loop waited for (start_apply()), and the most that were in the
+    // database at once.
+    std::uint64_t async_batches = 0;
+    std::size_t most_batches_in_flight = 0;
   };
   Stats stats() const;
   // The offset added to the caller's times to put them on the database's clock (0 with
@@ -150,6 +176,7 @@ class PgStore final : public BatchedStore {
 
  private:
   friend struct detail::PgImport;
+  friend class detail::PgPending;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -4,7 +4,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "idem/clock.hpp"
 #include "idem/store_wrapper.hpp"
@@ -49,6 +51,9 @@ class ReplayCache final : public StoreWrapper {
                                         const StoredResponse& response, TimePoint now,
                                         TimePoint expires_at) override;
   void apply(std::span<StoreOp* const> ops) override;
+  // As apply(): what the cache answers is decided at once, the rest goes to the target's
+  // start_apply() (or its apply(), when it cannot), and what it finds is remembered.
+  std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops) override;
 
   struct Stats {
     std::uint64_t hits = 0;       // answered from memory
@@ -64,6 +69,11 @@ class ReplayCache final : public StoreWrapper {
   std::string to_prometheus() const;
 
  private:
+  // Answers the ops it holds a record for; returns the others.
+  std::vector<StoreOp*> answer_held(std::span<StoreOp* const> ops);
+  // Remembers the completed records the target's answers to `ops` found.
+  void remember_all(std::span<StoreOp* const> ops);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -10,6 +10,7 @@
 #include <exception>
 #include <functional>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -189,6 +190,28 @@ struct StoreOp {
   bool contended = false;
 };
 
+// An apply() that waits for its storage without blocking the caller's thread
+// (Store::start_apply): the engine has sent the batch; the caller's event loop waits until
+// descriptor() is ready to read, calls advance(), and goes on until done(). The ops are
+// decided, each as apply() would, once done() is true; their pointers (and the span given
+// to start_apply) must stay valid until then. Destroying it before done() abandons the
+// batch: the engine's connection is dropped, and whether its transaction committed is
+// unknown (as for a connection that broke).
+// Thread-safety: one caller at a time (any thread).
+class PendingApply {
+ public:
+  virtual ~PendingApply() = default;
+  // The descriptor to wait on (a socket the engine owns: never close it); -1 once done().
+  virtual int descriptor() const noexcept = 0;
+  virtual bool done() const noexcept = 0;
+  // The descriptor is readable: takes what arrived, without blocking for more. Never throws:
+  // failures go to the ops.
+  virtual void advance() noexcept = 0;
+  // The wait itself failed (the event loop's error): every op not yet decided fails with
+  // `why` and done() becomes true.
+  virtual void fail(std::exception_ptr why) noexcept = 0;
+};
+
 // Thread-safety: implementations must be safe for concurrent use from many threads, and
 // atomic against other processes sharing the same storage.
 // Errors: every operation throws StoreError when the storage cannot be used; an
@@ -241,6 +264,14 @@ class Store {
   // write is durable as configured. Never throws: failures go to StoreOp::error. The default runs
   // reserve(), complete(), release() and store_if_absent() one by one.
   virtual void apply(std::span<StoreOp* const> ops);
+  // apply() for an event loop: sends `ops` and returns what the loop then waits on (see
+  // PendingApply), or null when it cannot do so now; the caller then runs apply(). The
+  // default returns null. PgStore waits on its connection's socket, so a coroutine front end
+  // keeps several batches in flight on one thread. Never throws: failures go to the ops.
+  virtual std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops);
+  // How many apply() or start_apply() calls the store runs at once (it has that many
+  // connections); the group commit keeps up to this many batches in flight. Default 1.
+  virtual std::size_t concurrent_applies() const noexcept;
 
   // ---- Multi-step operations. The defaults throw idem::error(errc::invalid_argument): an
   // engine that keeps no progress cannot run them. SqliteStore and PgStore implement them all.

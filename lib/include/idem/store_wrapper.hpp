@@ -33,6 +33,11 @@ class StoreWrapper : public Store {
   // overrides reserve(), complete(), release() or store_if_absent() must override apply()
   // too, or batched writes bypass it.
   void apply(std::span<StoreOp* const> ops) override;
+  // Null: batches go through apply(), so a decorator that overrides it sees them. One that
+  // can forward its target's start_apply() (ReplayCache) overrides this.
+  std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops) override;
+  // The target's.
+  std::size_t concurrent_applies() const noexcept override;
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
