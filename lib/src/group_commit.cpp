@@ -54,7 +54,11 @@ void GroupCommit::lead(const Drive& drive) noexcept {
   lead_posted_ = false;
   if (rounds_ >= max_rounds_ || queue_.empty()) return;  // a running round hands on
   ++rounds_;
-  const std::shared_ptr<Round> r = take(lock);
+  // With connections to spare, a round takes its share of the queue and the rest goes out
+  // at once on another: while the database works on one batch, the event loop runs the
+  // calls the other one answered, which queue the next (double buffering).
+  const std::size_t free = max_rounds_ - rounds_ + 1;  // this round's included
+  const std::shared_ptr<Round> r = take(lock, (queue_.size() + free - 1) / free);
   try {
     r->pending = store_.start_apply(r->ops);
   } catch (...) {  // start_apply never throws by contract; a broken engine must not wedge us
@@ -148,14 +152,38 @@ void GroupCommit::gather(std::unique_lock<std::mutex>& lock) {
   }
 }
 
-std::shared_ptr<GroupCommit::Round> GroupCommit::take(std::unique_lock<std::mutex>& lock) {
+std::shared_ptr<GroupCommit::Round> GroupCommit::take(std::unique_lock<std::mutex>& lock,
+                                                      std::size_t most) {
   auto r = std::make_shared<Round>();
-  r->batch.swap(queue_);
+  if (most >= queue_.size()) {
+    r->batch.swap(queue_);
+  } else {
+    const auto cut = queue_.begin() + static_cast<std::ptrdiff_t>(most);
+    r->batch.assign(std::make_move_iterator(queue_.begin()), std::make_move_iterator(cut));
+    queue_.erase(queue_.begin(), cut);
+  }
   last_batch_ = r->batch.size();
+  const std::optional<Pending> next_leader = hand_on();
   lock.unlock();
+  if (next_leader) next_leader->tell(Signal::lead);
   r->ops.reserve(r->batch.size());
   for (const Pending& p : r->batch) r->ops.push_back(p.op);
   return r;
+}
+
+std::optional<GroupCommit::Pending> GroupCommit::hand_on() {
+  if (queue_.empty() || rounds_ >= max_rounds_) return std::nullopt;
+  // To a waiting thread if there is one (it needs no event loop), else to the first
+  // coroutine, unless a round is already posted.
+  const auto next = std::find_if(queue_.begin(), queue_.end(),
+                                 [](const Pending& p) { return p.bell != nullptr; });
+  if (next != queue_.end()) {
+    ++rounds_;
+    return *next;
+  }
+  if (lead_posted_) return std::nullopt;
+  lead_posted_ = true;
+  return queue_.front();
 }
 
 void GroupCommit::apply(Round& r) noexcept {
@@ -169,7 +197,7 @@ void GroupCommit::apply(Round& r) noexcept {
 }
 
 void GroupCommit::round(std::unique_lock<std::mutex>& lock) noexcept {
-  const std::shared_ptr<Round> r = take(lock);
+  const std::shared_ptr<Round> r = take(lock, queue_.size());
   apply(*r);
   finish(*r);
 }
@@ -177,22 +205,7 @@ void GroupCommit::round(std::unique_lock<std::mutex>& lock) noexcept {
 void GroupCommit::finish(Round& r) noexcept {
   std::unique_lock lock(mutex_);
   --rounds_;
-  std::optional<Pending> next_leader;
-  if (!queue_.empty()) {
-    // Hand on: to a waiting thread if there is one (it needs no event loop), else to the
-    // first coroutine, unless a round is already posted.
-    const auto next = std::find_if(queue_.begin(), queue_.end(),
-                                   [](const Pending& p) { return p.bell != nullptr; });
-    if (next != queue_.end()) {
-      if (rounds_ < max_rounds_) {
-        ++rounds_;
-        next_leader = *next;
-      }
-    } else if (!lead_posted_ && rounds_ < max_rounds_) {
-      lead_posted_ = true;
-      next_leader = queue_.front();
-    }
-  }
+  const std::optional<Pending> next_leader = hand_on();
   lock.unlock();
   // The next leader first: the round after this one waits for nobody else.
   if (next_leader) next_leader->tell(Signal::lead);

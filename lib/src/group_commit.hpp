@@ -35,6 +35,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "idem/store.hpp"
@@ -101,9 +102,13 @@ class GroupCommit {
     std::unique_ptr<PendingApply> pending;
   };
 
-  // Takes the queue as a round; requires a round counted in rounds_ by the caller. Returns
-  // with the lock released.
-  std::shared_ptr<Round> take(std::unique_lock<std::mutex>& lock);
+  // Takes the first `most` queued writes as a round (a round counted in rounds_ by the
+  // caller) and hands what is left on (hand_on()). Returns with the lock released.
+  std::shared_ptr<Round> take(std::unique_lock<std::mutex>& lock, std::size_t most);
+  // Who leads the next round, if the queue holds writes and a round is free: counted in
+  // rounds_ for a thread, lead_posted_ for a coroutine. Requires the lock; the caller tells
+  // it after releasing the lock.
+  std::optional<Pending> hand_on();
   // Runs one round with Store::apply(); returns with the lock released.
   void round(std::unique_lock<std::mutex>& lock) noexcept;
   // A round's batch is decided: uncounts the round, hands on and tells its writers.
