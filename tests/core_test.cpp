@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <functional>
 #include <latch>
 #include <thread>
 
@@ -148,6 +149,103 @@ TEST_CASE(
   CHECK(store->applies == 2);
   CHECK(heard.back() == "w5 committed");
   CHECK(commits.enqueue(ops[0], listener("again")));  // the lead is free again
+}
+
+namespace {
+
+// A store that can keep two batches in flight (as PgStore's batch connections): each
+// started batch is held until the test lets it go (advance()), and then applied to SQLite.
+struct TwoInFlight final : idem::StoreWrapper {
+  struct Held final : idem::PendingApply {
+    Held(idem::Store& s, std::span<idem::StoreOp* const> o) : store(s), ops(o.begin(), o.end()) {}
+    int descriptor() const noexcept override { return done_ ? -1 : 0; }
+    bool done() const noexcept override { return done_; }
+    void advance() noexcept override {
+      store.apply(ops);
+      done_ = true;
+    }
+    void fail(std::exception_ptr why) noexcept override {
+      for (idem::StoreOp* op : ops) op->error = why;
+      done_ = true;
+    }
+    idem::Store& store;
+    std::vector<idem::StoreOp*> ops;
+    bool done_ = false;
+  };
+
+  using StoreWrapper::StoreWrapper;
+  std::size_t concurrent_applies() const noexcept override { return 2; }
+  std::unique_ptr<idem::PendingApply> start_apply(std::span<idem::StoreOp* const> ops) override {
+    auto held = std::make_unique<Held>(target(), ops);
+    started.push_back(held.get());
+    return held;
+  }
+  std::vector<Held*> started;
+};
+
+}  // namespace
+
+TEST_CASE("group commit: two batches in flight, each round its share, answers in any order") {
+  auto store = std::make_shared<TwoInFlight>(std::make_shared<idem::SqliteStore>(":memory:"));
+  idem::detail::GroupCommit commits(*store);
+  const idem::Fingerprint fp = idem::test::request("k").fingerprint;
+  std::vector<idem::KeyId> ids;
+  for (int i = 0; i < 7; ++i) ids.push_back({"alpha", "op", "k" + std::to_string(i)});
+  std::vector<idem::StoreOp> ops(7);
+  for (std::size_t i = 0; i < 7; ++i) {
+    ops[i] = idem::StoreOp{.kind = idem::StoreOp::Kind::reserve,
+                           .id = &ids[i],
+                           .fingerprint = &fp,
+                           .now = kNow,
+                           .lease_until = kNow + 30s};
+  }
+  std::vector<std::string> heard;
+  const auto listener = [&heard](std::size_t i) {
+    return [&heard, i](idem::detail::GroupCommit::Signal s) {
+      heard.push_back(fmt::format(
+          "w{} {}", i, s == idem::detail::GroupCommit::Signal::committed ? "committed" : "leads"));
+    };
+  };
+  // The event loop's wait, held by the test: each started batch and what ends its round.
+  std::vector<std::function<void()>> finishers;
+  const idem::detail::GroupCommit::Drive drive = [&](idem::PendingApply&,
+                                                     std::function<void()> finished) {
+    finishers.push_back(std::move(finished));
+  };
+  CHECK(commits.enqueue(ops[0], listener(0)));
+  for (std::size_t i = 1; i < 6; ++i) CHECK_FALSE(commits.enqueue(ops[i], listener(i)));
+  // Two connections free: the round takes half the queue, and the next leader is told at once.
+  commits.lead(drive);
+  REQUIRE(store->started.size() == 1);
+  CHECK(store->started[0]->ops.size() == 3);
+  CHECK(heard == std::vector<std::string>{"w3 leads"});
+  commits.lead(drive);  // w3's round: the last free connection takes what is left
+  REQUIRE(store->started.size() == 2);
+  CHECK(store->started[1]->ops.size() == 3);
+  // Both in flight: a new write waits, and nobody is told to lead.
+  CHECK_FALSE(commits.enqueue(ops[6], listener(6)));
+  commits.lead(drive);
+  CHECK(store->started.size() == 2);
+  // The second batch answers first: its round ends, w6 leads the next, then its writers hear.
+  store->started[1]->advance();
+  finishers[1]();
+  CHECK(heard == std::vector<std::string>{"w3 leads", "w6 leads", "w3 committed", "w4 committed",
+                                          "w5 committed"});
+  store->started[0]->advance();
+  finishers[0]();
+  CHECK(heard.size() == 8);
+  CHECK(heard.back() == "w2 committed");
+  commits.lead(drive);  // w6's round
+  REQUIRE(store->started.size() == 3);
+  CHECK(store->started[2]->ops.size() == 1);
+  store->started[2]->advance();
+  finishers[2]();
+  CHECK(heard.back() == "w6 committed");
+  for (const idem::StoreOp& op : ops) {
+    CHECK_FALSE(op.error);
+    CHECK(op.reservation.kind == idem::Reservation::Kind::reserved);
+  }
+  CHECK(commits.enqueue(ops[0], listener(0)));  // nobody leads or is posted: the lead is free
 }
 
 TEST_CASE("group commit: a blocking writer never waits on a coroutine's round that does not run") {
