@@ -3,11 +3,8 @@
 // rerunnable, and on the database's clock; and `idem-demo migrate`. The tests count the
 // provider's charges, not only the responses.
 #include <doctest/doctest.h>
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <libpq-fe.h>
-#include <spawn.h>
-#include <sys/wait.h>
 
 #include <filesystem>
 #include <fstream>
@@ -15,12 +12,10 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "demo_process.hpp"
 #include "idem/migrate.hpp"
 #include "idem/steps.hpp"
-#include "serve_support.hpp"
 #include "store_engines.hpp"
-
-extern char** environ;
 
 namespace {
 
