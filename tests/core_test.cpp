@@ -248,6 +248,51 @@ TEST_CASE("group commit: two batches in flight, each round its share, answers in
   CHECK(commits.enqueue(ops[0], listener(0)));  // nobody leads or is posted: the lead is free
 }
 
+TEST_CASE("group commit: a thread handed a round leads it once, whatever ends meanwhile") {
+  // Two rounds in flight and a thread waiting for a free one: both rounds end back to back.
+  // The first hands its place to the thread; the second must not hand it another (a round
+  // counted and never run would leave the queue with a place short, for good).
+  auto store = std::make_shared<TwoInFlight>(std::make_shared<idem::SqliteStore>(":memory:"));
+  idem::detail::GroupCommit commits(*store);
+  const idem::Fingerprint fp = idem::test::request("k").fingerprint;
+  const idem::KeyId a{"alpha", "op", "a"}, b{"alpha", "op", "b"}, t{"alpha", "op", "t"};
+  const auto reserve = [&](const idem::KeyId& id) {
+    return idem::StoreOp{.kind = idem::StoreOp::Kind::reserve,
+                         .id = &id,
+                         .fingerprint = &fp,
+                         .now = kNow,
+                         .lease_until = kNow + 30s};
+  };
+  idem::StoreOp op_a = reserve(a), op_b = reserve(b), op_t = reserve(t);
+  std::vector<std::function<void()>> finishers;
+  const idem::detail::GroupCommit::Drive drive = [&](idem::PendingApply&,
+                                                     std::function<void()> finished) {
+    finishers.push_back(std::move(finished));
+  };
+  const auto quiet = [](idem::detail::GroupCommit::Signal) {};
+  for (int rep = 0; rep < 50; ++rep) {
+    op_a = reserve(a), op_b = reserve(b), op_t = reserve(t);
+    store->started.clear();
+    finishers.clear();
+    CHECK(commits.enqueue(op_a, quiet));
+    commits.lead(drive);
+    CHECK(commits.enqueue(op_b, quiet));
+    commits.lead(drive);
+    REQUIRE(store->started.size() == 2);
+    REQUIRE(commits.rounds_running() == 2);
+    std::thread writer([&] { commits.commit(op_t); });
+    REQUIRE(idem::test::eventually([&] { return commits.queued() == 1; }));
+    store->started[0]->advance();
+    finishers[0]();
+    store->started[1]->advance();
+    finishers[1]();
+    writer.join();
+    REQUIRE_FALSE(op_t.error);
+    REQUIRE(commits.rounds_running() == 0);
+    REQUIRE(commits.queued() == 0);
+  }
+}
+
 TEST_CASE("group commit: a blocking writer never waits on a coroutine's round that does not run") {
   // A coroutine's round is posted to its executor; that executor is stopped (or is the very
   // thread now blocking). A blocking writer leads at once and commits both writes.

@@ -65,6 +65,25 @@ std::vector<StoreOp*> pointers(std::vector<StoreOp>& ops) {
   return out;
 }
 
+// A store on the caller's clock whose connections carry `app` as their application_name,
+// so a test can cut them (cut_connections).
+std::unique_ptr<idem::PgStore> named_store(const PgEngine& e, const std::string& app,
+                                           std::size_t batch_connections) {
+  return std::make_unique<idem::PgStore>(e.conninfo + " application_name=" + app,
+                                         idem::PgOptions{.schema = e.schema,
+                                                         .clock = idem::PgClock::caller,
+                                                         .batch_connections = batch_connections});
+}
+
+// Terminates the server sessions named `app` and waits (5 s at most) until they are gone.
+// Returns how many there were.
+int cut_connections(const std::string& conninfo, const std::string& app) {
+  return std::stoi(Raw(conninfo).scalar(
+      fmt::format("SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity "
+                  "WHERE application_name = '{}'",
+                  app)));
+}
+
 }  // namespace
 
 TEST_CASE("postgresql: a batch is one transaction in one round trip, each op its own outcome") {
@@ -183,16 +202,12 @@ TEST_CASE("postgresql: a lost connection is a StoreError, and the next call reco
   IDEM_ENGINE_OR_SKIP(e);
   const std::string app = fmt::format("victim_{}", e.schema);
   // The main connection only (reads and writes alike); batch connections: the next case.
-  idem::PgStore store(
-      e.conninfo + " application_name=" + app,
-      idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller, .batch_connections = 0});
+  const auto named = named_store(e, app, 0);
+  idem::PgStore& store = *named;
   const idem::KeyId id{"alpha", "pay", "k"};
   const Reservation r = store.reserve(id, kFp, T0, T0 + 30s);
   CHECK(store.stats().connects == 1);
-  Raw raw(e.conninfo);
-  CHECK(raw.scalar(fmt::format("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                               "WHERE application_name = '{}'",
-                               app)) == "1");
+  CHECK(cut_connections(e.conninfo, app) == 1);
   CHECK_THROWS_AS(store.load(id), idem::StoreError);
   // The record outlives the connection; the store connects again by itself.
   const auto rec = store.load(id);
@@ -280,9 +295,8 @@ TEST_CASE("postgresql: a batch abandoned or cut off fails alone, and the next on
   PgEngine e;
   IDEM_ENGINE_OR_SKIP(e);
   const std::string app = fmt::format("cut_{}", e.schema);
-  idem::PgStore store(
-      e.conninfo + " application_name=" + app,
-      idem::PgOptions{.schema = e.schema, .clock = idem::PgClock::caller, .batch_connections = 1});
+  const auto named = named_store(e, app, 1);
+  idem::PgStore& store = *named;
   const std::vector<idem::KeyId> ids{{"alpha", "pay", "a"}, {"alpha", "pay", "b"}};
   {
     std::vector<StoreOp> ops = reserves(ids);
@@ -303,15 +317,11 @@ TEST_CASE("postgresql: a batch abandoned or cut off fails alone, and the next on
   CHECK(store.stats().connects == connects + 1);
   // The batch connection is cut while a batch waits: that batch fails with StoreError, the
   // next one connects again and succeeds.
-  Raw raw(e.conninfo);
   std::vector<StoreOp> cut = reserves(d);
   const std::vector<StoreOp*> ptrs_cut = pointers(cut);
   std::vector<StoreOp> before_cut = reserves(e_);
   store.apply(pointers(before_cut));  // the batch connection is the one in use
-  REQUIRE(std::stoi(raw.scalar(
-              fmt::format("SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity "
-                          "WHERE application_name = '{}'",
-                          app))) >= 1);  // waits (5 s at most) until they are gone
+  REQUIRE(cut_connections(e.conninfo, app) >= 1);
   auto doomed = store.start_apply(ptrs_cut);
   if (doomed) wait_for(*doomed);  // null: it could not even be sent, and apply() would run it
   if (!doomed) store.apply(ptrs_cut);

@@ -7,6 +7,7 @@
 #include <boost/asio/async_result.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/error.hpp>
 #include <boost/asio/execution/outstanding_work.hpp>
 #include <boost/asio/execution_context.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
@@ -168,6 +169,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
   static void start(const net::any_io_executor& ex, PendingApply& pending,
                     std::function<void()> finished) {
     auto w = std::make_shared<SocketWait>(ex, pending, std::move(finished));
+    std::lock_guard lock(w->mutex_);
     w->watch();
     w->arm();
   }
@@ -189,20 +191,28 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
     }
   }
 
+  // Requires mutex_. The reactor reports a descriptor when it becomes readable
+  // (edge-triggered), and only to a wait already queued: a report that came first (taken by
+  // another thread running the io_context) is lost. So once the wait is queued, a descriptor
+  // that is readable already cancels it, and its handler looks at once.
   void arm() {
     socket_.async_wait(
         net::posix::stream_descriptor::wait_read,
         [self = shared_from_this()](const boost::system::error_code& ec) { self->ready(ec); });
+    if (readable(watched_)) {
+      boost::system::error_code ignored;
+      socket_.cancel(ignored);
+    }
   }
 
   void ready(const boost::system::error_code& ec) {
-    if (ec) {
+    std::unique_lock lock(mutex_);
+    if (ec && ec != net::error::operation_aborted) {
       pending_.fail(std::make_exception_ptr(
           StoreError(fmt::format("idem: waiting for the store failed: {}", ec.message()), 0)));
     } else {
-      // The reactor reports a descriptor when it becomes readable (edge-triggered), and the
-      // store may not take all that waits in one advance(): take until nothing is left, so
-      // the next report comes with new data.
+      // The store may not take all that waits in one advance(): take until nothing is left,
+      // so the next report comes with new data.
       do {
         pending_.advance();
       } while (!pending_.done() && readable(pending_.descriptor()));
@@ -218,6 +228,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
     }
     boost::system::error_code ignored;
     socket_.close(ignored);
+    lock.unlock();
     finished_();
   }
 
@@ -226,6 +237,9 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
     return ::poll(&p, 1, 0) > 0;
   }
 
+  // Serialises the socket's and the batch's use between the thread that arms a wait and
+  // the one that runs its handler (an io_context may be run by several threads).
+  std::mutex mutex_;
   net::posix::stream_descriptor socket_;
   PendingApply& pending_;
   std::function<void()> finished_;

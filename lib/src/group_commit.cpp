@@ -49,6 +49,16 @@ bool GroupCommit::enqueue(StoreOp& op, Notify notify) {
   return true;
 }
 
+std::size_t GroupCommit::rounds_running() {
+  std::lock_guard lock(mutex_);
+  return rounds_;
+}
+
+std::size_t GroupCommit::queued() {
+  std::lock_guard lock(mutex_);
+  return queue_.size();
+}
+
 void GroupCommit::lead(const Drive& drive) noexcept {
   std::unique_lock lock(mutex_);
   lead_posted_ = false;
@@ -58,7 +68,7 @@ void GroupCommit::lead(const Drive& drive) noexcept {
   // at once on another: while the database works on one batch, the event loop runs the
   // calls the other one answered, which queue the next (double buffering).
   const std::size_t free = max_rounds_ - rounds_ + 1;  // this round's included
-  const std::shared_ptr<Round> r = take(lock, (queue_.size() + free - 1) / free);
+  const std::shared_ptr<Round> r = take(lock, (queue_.size() + free - 1) / free, nullptr);
   try {
     r->pending = store_.start_apply(r->ops);
   } catch (...) {  // start_apply never throws by contract; a broken engine must not wedge us
@@ -75,7 +85,7 @@ void GroupCommit::lead(const Drive& drive) noexcept {
       Once(const Once&) = delete;
       Once& operator=(const Once&) = delete;
       ~Once() {
-        if (!told) self->abandon();
+        if (!told) self->abandon(*round);
       }
       GroupCommit* self;
       std::shared_ptr<Round> round;
@@ -113,15 +123,16 @@ void GroupCommit::commit(StoreOp& op) {
   if (rounds_ >= max_rounds_) {
     lock.unlock();
     if (bell->wait() == Signal::committed) return;
-    lock.lock();  // the round was handed to us: it is counted for us
+    lock.lock();  // the round was handed to us: it is counted for us, our entry marked
   } else {
     ++rounds_;
+    queue_.back().leading = true;
   }
-  lead_blocking(lock);
+  lead_blocking(lock, bell.get());
   bell->wait();  // the round rang our own bell too: returns at once and resets it
 }
 
-void GroupCommit::lead_blocking(std::unique_lock<std::mutex>& lock) {
+void GroupCommit::lead_blocking(std::unique_lock<std::mutex>& lock, const Bell* own) {
   if (last_batch_ > 1) {  // others were writing a moment ago
     if (gather_skips_ > 0) {
       --gather_skips_;
@@ -129,7 +140,7 @@ void GroupCommit::lead_blocking(std::unique_lock<std::mutex>& lock) {
       gather(lock);
     }
   }
-  round(lock);  // our op is queued: this round commits it
+  round(lock, own);  // our op is queued: this round commits it
 }
 
 void GroupCommit::gather(std::unique_lock<std::mutex>& lock) {
@@ -153,15 +164,18 @@ void GroupCommit::gather(std::unique_lock<std::mutex>& lock) {
 }
 
 std::shared_ptr<GroupCommit::Round> GroupCommit::take(std::unique_lock<std::mutex>& lock,
-                                                      std::size_t most) {
+                                                      std::size_t most, const Bell* own) {
   auto r = std::make_shared<Round>();
-  if (most >= queue_.size()) {
-    r->batch.swap(queue_);
-  } else {
-    const auto cut = queue_.begin() + static_cast<std::ptrdiff_t>(most);
-    r->batch.assign(std::make_move_iterator(queue_.begin()), std::make_move_iterator(cut));
-    queue_.erase(queue_.begin(), cut);
+  std::vector<Pending> rest;
+  for (Pending& p : queue_) {
+    const bool others_lead = p.leading && p.bell.get() != own;
+    if (!others_lead && r->batch.size() < most) {
+      r->batch.push_back(std::move(p));
+    } else {
+      rest.push_back(std::move(p));
+    }
   }
+  queue_.swap(rest);
   last_batch_ = r->batch.size();
   const std::optional<Pending> next_leader = hand_on();
   lock.unlock();
@@ -176,14 +190,18 @@ std::optional<GroupCommit::Pending> GroupCommit::hand_on() {
   // To a waiting thread if there is one (it needs no event loop), else to the first
   // coroutine, unless a round is already posted.
   const auto next = std::find_if(queue_.begin(), queue_.end(),
-                                 [](const Pending& p) { return p.bell != nullptr; });
+                                 [](const Pending& p) { return p.bell != nullptr && !p.leading; });
   if (next != queue_.end()) {
     ++rounds_;
+    next->leading = true;
     return *next;
   }
   if (lead_posted_) return std::nullopt;
+  const auto coroutine = std::find_if(queue_.begin(), queue_.end(),
+                                      [](const Pending& p) { return p.bell == nullptr; });
+  if (coroutine == queue_.end()) return std::nullopt;  // only threads that lead already
   lead_posted_ = true;
-  return queue_.front();
+  return *coroutine;
 }
 
 void GroupCommit::apply(Round& r) noexcept {
@@ -196,8 +214,8 @@ void GroupCommit::apply(Round& r) noexcept {
   }
 }
 
-void GroupCommit::round(std::unique_lock<std::mutex>& lock) noexcept {
-  const std::shared_ptr<Round> r = take(lock, queue_.size());
+void GroupCommit::round(std::unique_lock<std::mutex>& lock, const Bell* own) noexcept {
+  const std::shared_ptr<Round> r = take(lock, queue_.size(), own);
   apply(*r);
   finish(*r);
 }
@@ -212,9 +230,22 @@ void GroupCommit::finish(Round& r) noexcept {
   for (const Pending& p : r.batch) p.tell(Signal::committed);
 }
 
-void GroupCommit::abandon() noexcept {
-  std::lock_guard lock(mutex_);
+void GroupCommit::abandon(Round& r) noexcept {
+  const std::exception_ptr gone = std::make_exception_ptr(
+      StoreError("idem: the event loop that waited for this write's batch went away; whether "
+                 "it committed is unknown",
+                 0));
+  for (const Pending& p : r.batch) {
+    if (p.bell) p.op->error = gone;  // a coroutine's op went with its io_context
+  }
+  std::unique_lock lock(mutex_);
   --rounds_;
+  const std::optional<Pending> next_leader = hand_on();
+  lock.unlock();
+  if (next_leader) next_leader->tell(Signal::lead);
+  for (const Pending& p : r.batch) {
+    if (p.bell) p.bell->ring(Signal::committed);
+  }
 }
 
 }  // namespace idem::detail

@@ -70,6 +70,10 @@ class GroupCommit {
   // thread. Throws (before waiting) if it cannot wait: then the round finishes it by blocking.
   using Drive = std::function<void(PendingApply& pending, std::function<void()> finished)>;
 
+  // For tests: rounds running (or handed to a thread) and writes queued, now.
+  std::size_t rounds_running();
+  std::size_t queued();
+
   // A posted round: commits what is queued unless as many rounds as the store allows are
   // running (one of them hands on to the queue when it ends) or nothing is queued. Without
   // `drive`, a batch the store started is waited for here, blocking.
@@ -88,11 +92,14 @@ class GroupCommit {
     StoreOp* op;
     Notify notify;               // a coroutine writer
     std::shared_ptr<Bell> bell;  // a blocking writer, which can run a round at once
+    // A blocking writer that leads a round (on its own, or handed one): no other round takes
+    // its op and it is never handed another, so each round counted is run once.
+    bool leading = false;
     void tell(Signal s) const;
   };
 
   // Runs the round of a blocking leader whose own op is queued.
-  void lead_blocking(std::unique_lock<std::mutex>& lock);
+  void lead_blocking(std::unique_lock<std::mutex>& lock, const Bell* own);
   // Yields the CPU until the last round's writers are back; backs off when a yield is slow.
   void gather(std::unique_lock<std::mutex>& lock);
   // One round's batch, kept until its writers are told.
@@ -103,18 +110,23 @@ class GroupCommit {
   };
 
   // Takes the first `most` queued writes as a round (a round counted in rounds_ by the
-  // caller) and hands what is left on (hand_on()). Returns with the lock released.
-  std::shared_ptr<Round> take(std::unique_lock<std::mutex>& lock, std::size_t most);
+  // caller), except those of other leading threads (own: the leading thread's bell, if a
+  // thread leads), and hands what is left on (hand_on()). Returns with the lock released.
+  std::shared_ptr<Round> take(std::unique_lock<std::mutex>& lock, std::size_t most,
+                              const Bell* own);
   // Who leads the next round, if the queue holds writes and a round is free: counted in
   // rounds_ for a thread, lead_posted_ for a coroutine. Requires the lock; the caller tells
   // it after releasing the lock.
   std::optional<Pending> hand_on();
-  // Runs one round with Store::apply(); returns with the lock released.
-  void round(std::unique_lock<std::mutex>& lock) noexcept;
+  // Runs one round with Store::apply() for the leading thread `own`; returns with the lock
+  // released.
+  void round(std::unique_lock<std::mutex>& lock, const Bell* own) noexcept;
   // A round's batch is decided: uncounts the round, hands on and tells its writers.
   void finish(Round& r) noexcept;
-  // A round whose writers can no longer be told (its wait was destroyed unfinished).
-  void abandon() noexcept;
+  // A round whose wait was destroyed unfinished (its io_context went away): its blocking
+  // writers fail with StoreError, its coroutines (destroyed with that io_context) are not
+  // told, and the round is uncounted and handed on.
+  void abandon(Round& r) noexcept;
   // Applies a round's ops with Store::apply().
   void apply(Round& r) noexcept;
 

@@ -27,7 +27,11 @@ using AsyncAction = std::function<boost::asio::awaitable<Response>()>;
 // directly from the calling coroutine. Writes (reservations, completions) of all the
 // coroutines that become ready in one turn of the io_context are committed together in one
 // transaction (group commit) by a handler posted to the first writer's executor; each
-// coroutine resumes after its write is committed.
+// coroutine resumes after its write is committed. On a store that can wait without blocking
+// (PgStore, Store::start_apply) the io_context's reactor waits on the store's socket for the
+// batch, so the thread runs other coroutines meanwhile; reads, renewals and steps still
+// block the calling thread for their round trip. The Coordinator (and its store) must
+// outlive the io_context's pending work: destroy the io_context, or let run() return, first.
 boost::asio::awaitable<Outcome> async_call(Coordinator& coordinator, Request request,
                                            AsyncAction action);
 

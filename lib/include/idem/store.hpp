@@ -197,7 +197,7 @@ struct StoreOp {
 // to start_apply) must stay valid until then. Destroying it before done() abandons the
 // batch: the engine's connection is dropped, and whether its transaction committed is
 // unknown (as for a connection that broke).
-// Thread-safety: one caller at a time (any thread).
+// Thread-safety: one caller at a time (any thread; the caller orders its calls).
 class PendingApply {
  public:
   virtual ~PendingApply() = default;
