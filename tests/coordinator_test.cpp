@@ -5,11 +5,14 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <latch>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <thread>
+#include <utility>
 
 #include "idem/http.hpp"
 #include "idem/store_wrapper.hpp"
@@ -30,6 +33,36 @@ namespace {
 const idem::sim::ProviderOptions kInstant{.latency = 0ms};
 
 World blocking_world(idem::Options options = {}) { return World(std::move(options), kInstant); }
+
+// A store whose next reservation's reply comes back late: the write commits, then the clock
+// moves on (a stalled connection, a paused owner) and `meanwhile` runs (what the rest of the
+// world does in that time) before the caller hears back.
+class LateReply final : public idem::StoreWrapper {
+ public:
+  LateReply(std::shared_ptr<idem::Store> target, idem::sim::SimulatedClock& clock)
+      : StoreWrapper(std::move(target)), clock_(clock) {}
+
+  void delay_next_reservation(std::chrono::milliseconds delay,
+                              std::function<void()> meanwhile = {}) {
+    delay_ = delay;
+    meanwhile_ = std::move(meanwhile);
+  }
+
+  void apply(std::span<idem::StoreOp* const> ops) override {
+    StoreWrapper::apply(ops);
+    const bool reserved = std::any_of(ops.begin(), ops.end(), [](const idem::StoreOp* op) {
+      return op->kind == idem::StoreOp::Kind::reserve;
+    });
+    if (!reserved || delay_.count() == 0) return;
+    clock_.advance(std::exchange(delay_, 0ms));
+    if (auto meanwhile = std::exchange(meanwhile_, {})) meanwhile();
+  }
+
+ private:
+  idem::sim::SimulatedClock& clock_;
+  std::chrono::milliseconds delay_{0};
+  std::function<void()> meanwhile_;
+};
 
 std::string charge_id(const Outcome& out) { return json::parse(out.response.body).at("charge_id"); }
 
@@ -325,6 +358,56 @@ TEST_CASE(
   CHECK(record->token > zombie_token);
   CHECK(w.idem->call(request("k1"), w.charge_action()).replayed());
   CHECK(w.charges() == 1);
+}
+
+TEST_CASE(
+    "coordinator: a reservation whose reply comes back after its lease ran out does not run the "
+    "action, so a retry that took the key over meanwhile charges once") {
+  World w = blocking_world({.lease = 1s, .heartbeat = 0ms});
+  auto late = std::make_shared<LateReply>(w.faulty, *w.clock);
+  idem::Coordinator owner(late, {.lease = 1s, .heartbeat = 0ms, .clock = w.clock});
+  std::string retry;
+  // The reply takes 2 s; at its end a retry on another node finds the lease over and takes over.
+  late->delay_next_reservation(
+      2s, [&] { retry = charge_id(w.idem->call(request("k1"), w.charge_action(0ms))); });
+  CHECK_THROWS_AS(owner.call(request("k1"), w.charge_action(0ms)), idem::LeaseLostError);
+  CHECK(retry == "ch_1");
+  CHECK(w.charges() == 1);  // the downstream does not deduplicate: only idem kept it to one
+  CHECK(owner.metrics().executed == 0);
+  CHECK(owner.metrics().lease_lost == 1);
+  CHECK(w.idem->metrics().taken_over == 1);
+  const Outcome again = w.idem->call(request("k1"), w.charge_action(0ms));
+  CHECK(again.replayed());
+  CHECK(charge_id(again) == "ch_1");
+  CHECK(w.charges() == 1);
+}
+
+TEST_CASE(
+    "coordinator: a reservation that comes back with less than the call margin of its lease left "
+    "is released unrun, so the key is free at once") {
+  World w = blocking_world();
+  const idem::Options o{.lease = 10s, .heartbeat = 0ms, .call_margin = 2s, .clock = w.clock};
+  auto late = std::make_shared<LateReply>(w.faulty, *w.clock);
+  idem::Coordinator owner(late, o);
+  late->delay_next_reservation(8500ms);  // 1.5 s of the lease left: less than the margin
+  try {
+    owner.call(request("k1"), w.charge_action(0ms));
+    FAIL("the action ran");
+  } catch (const idem::LeaseLostError& e) {
+    CHECK(std::string(e.what()).find("the action was not run") != std::string::npos);
+    CHECK(e.code() == idem::errc::lease_lost);
+  }
+  CHECK(w.charges() == 0);
+  CHECK(owner.metrics().executed == 0);
+  CHECK(owner.metrics().released == 0);  // counted as a lost lease, not as a failed action
+  // Released: the next call runs at once instead of waiting out the 10 s lease.
+  const Outcome next = w.idem->call(request("k1", 4990), w.charge_action(0ms));
+  CHECK(next.source == Outcome::Source::executed);
+  CHECK(w.charges() == 1);
+  // 2.5 s left (more than the margin): the action runs.
+  late->delay_next_reservation(7500ms);
+  CHECK(owner.call(request("k2"), w.charge_action(0ms)).source == Outcome::Source::executed);
+  CHECK(w.charges() == 2);
 }
 
 TEST_CASE("coordinator: heartbeats keep a slow honest action from being taken over") {

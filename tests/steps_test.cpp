@@ -383,6 +383,46 @@ TEST_CASE("steps: derived keys and message ids are stable, distinct per step and
   CHECK(shop.world.provider->find(first_key).has_value());
 }
 
+TEST_CASE(
+    "steps: an owner paused past its lease before an external step does not call it, so a "
+    "retry during what would have been its call charges once") {
+  Shop shop;  // the provider does not deduplicate
+  const demo::CheckoutRequest order = shop.order();
+  Options o = step_options();
+  o.clock = shop.world.clock;
+  Coordinator other(shop.world.faulty, o);  // a second node
+  const auto retry = [&] {
+    return other.call_steps(shop.request("k1", order), [&](Attempt& a) {
+      return demo::checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
+    });
+  };
+  std::optional<Outcome> during;
+  const auto paused = [&](Attempt& a) -> Response {
+    shop.world.clock->advance(11s);  // paused past its 10 s lease; nobody took the key over yet
+    const std::string charge = a.external(
+        "debited",
+        [&](const std::string& key) {
+          // The retry comes while this call would be on its way: the lease is over, it takes
+          // the key over and looks the charge up by the derived key, which has none yet.
+          during = retry();
+          return shop.world.provider->charge(order.order_id, order.amount, key).charge_id;
+        },
+        [&](const std::string& key) -> std::optional<std::string> {
+          const auto c = shop.world.provider->find(key);
+          return c ? std::optional<std::string>(c->id) : std::nullopt;
+        });
+    return Response{200, charge, {}};
+  };
+  CHECK_THROWS_AS(shop.world.idem->call_steps(shop.request("k1", order), paused), LeaseLostError);
+  CHECK_FALSE(during);  // the paused owner never called, so nothing ran meanwhile
+  CHECK(shop.debits() == 0);
+  CHECK(shop.metrics().lease_lost == 1);
+  // The retry takes the key over and charges once.
+  CHECK(retry().response.status == 200);
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+}
+
 TEST_CASE("steps: a store failure after the debit keeps the key and the retry resumes") {
   // Never "nothing happened" after money moved: the order step cannot be recorded (disk
   // full), the attempt fails with what it knows, and the retry finishes it with one charge.
@@ -392,13 +432,20 @@ TEST_CASE("steps: a store failure after the debit keeps the key and the retry re
   CHECK_THROWS_AS(shop.checkout("k1", order), StoreError);
   CHECK(shop.debits() == 0);  // begin_steps failed: nothing ran
   shop.world.faulty->fail(sim::Operation::steps, false);
-  // Now fail only after the debit is recorded.
-  CHECK_THROWS_AS(shop.checkout("k1", order,
-                                [&](std::string_view at) {
-                                  if (at == "after debited")
-                                    shop.world.faulty->fail(sim::Operation::steps);
-                                }),
-                  StoreError);
+  // Now fail only after the debit is recorded: the error says an effect may have happened
+  // (the client must retry with the same key), naming the step that stopped, with the
+  // store's error nested.
+  try {
+    shop.checkout("k1", order, [&](std::string_view at) {
+      if (at == "after debited") shop.world.faulty->fail(sim::Operation::steps);
+    });
+    FAIL("the checkout did not fail");
+  } catch (const OutcomeUnknownError& e) {
+    CHECK(e.code() == errc::outcome_unknown);
+    CHECK(e.step() == "order_created");
+    CHECK_FALSE(e.result());  // a local step: no call's result to tell
+    CHECK_THROWS_AS(std::rethrow_if_nested(e), StoreError);
+  }
   shop.world.faulty->fail(sim::Operation::steps, false);
   CHECK(shop.debits() == 1);
   CHECK(shop.metrics().interrupted == 1);

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <variant>
@@ -46,6 +47,10 @@ Reservation reserve_at(Store& s, idem::TimePoint t, const idem::Fingerprint& fp 
                        const idem::KeyId& id = kId) {
   return s.reserve(id, fp, t, t + 30s);
 }
+
+// What an external step's mark confirms at `t`: a lease that still runs a second from then,
+// renewed to a whole lease (30 s) from then.
+idem::LeaseCheck lease_at(idem::TimePoint t) { return {t, t + 1s, t + 30s}; }
 
 // The application's table local steps write: one order per id.
 template <class E>
@@ -421,8 +426,8 @@ TEST_CASE_TEMPLATE(
   const std::int64_t origin = p->origin;
 
   // An external step: pending before its call, cleared when its result is recorded.
-  CHECK(s->mark_pending(kId, r.token, origin, "debited"));
-  CHECK_FALSE(s->mark_pending(kId, r.token + 1, origin, "debited"));
+  CHECK(s->mark_pending(kId, r.token, origin, "debited", lease_at(T0)));
+  CHECK_FALSE(s->mark_pending(kId, r.token + 1, origin, "debited", lease_at(T0)));
   REQUIRE(progress_of(*s, kId, r.token));
   CHECK(progress_of(*s, kId, r.token)->pending == std::optional<std::string>("debited"));
   CHECK(progress_of(*s, kId, r.token)->origin == origin);
@@ -433,7 +438,7 @@ TEST_CASE_TEMPLATE(
 
   // A local step: the order row, the message and the recovery point commit together; a
   // pending mark of another step stays.
-  CHECK(s->mark_pending(kId, r.token, origin, "shipped"));
+  CHECK(s->mark_pending(kId, r.token, origin, "shipped", lease_at(T0 + 2s)));
   std::int64_t inserted = -1;
   std::string message;
   const StepCommit order{StepResult{"order_created", "A-1", false}, T0 + 2s,
@@ -470,6 +475,67 @@ TEST_CASE_TEMPLATE(
 }
 
 TEST_CASE_TEMPLATE(
+    "store contract: a reservation keeps the claim its writer chose, for load() and for a "
+    "duplicate's reservation to return",
+    E, SqliteEngine, PgEngine) {
+  E engine;
+  IDEM_ENGINE_OR_SKIP(engine);
+  const auto s = engine.open();
+  StoreOp op{.kind = StoreOp::Kind::reserve,
+             .id = &kId,
+             .fingerprint = &kFp,
+             .now = T0,
+             .lease_until = T0 + 30s,
+             .claim = 0x7eadbeef12345};
+  StoreOp* one = &op;
+  s->apply(std::span<StoreOp* const>(&one, 1));
+  REQUIRE_FALSE(op.error);
+  REQUIRE(op.reservation.kind == Reservation::Kind::reserved);
+  CHECK(s->load(kId)->claim == 0x7eadbeef12345);
+  const Reservation dup = reserve_at(*s, T0 + 1s);
+  REQUIRE(dup.kind == Reservation::Kind::existing);
+  CHECK(dup.existing->claim == 0x7eadbeef12345);
+  // A takeover writes its own claim (here none).
+  const Reservation next = reserve_at(*s, T0 + 31s);
+  REQUIRE(next.kind == Reservation::Kind::taken_over);
+  CHECK(s->load(kId)->claim == 0);
+}
+
+TEST_CASE_TEMPLATE(
+    "store contract: mark_pending refuses a current token whose lease ends before the call "
+    "margin, and renews the lease it accepts",
+    E, SqliteEngine, PgEngine) {
+  E engine;
+  IDEM_ENGINE_OR_SKIP(engine);
+  const auto s = engine.open();
+  const Reservation r = reserve_at(*s, T0);  // leased until T0 + 30 s
+  const auto p = s->begin_steps(kId, r.token, "{}");
+  REQUIRE(p);
+  const std::int64_t origin = p->origin;
+  const auto lease_until = [&] { return s->load(kId)->lease_until; };
+
+  // Half a second left, a second needed: refused, nothing written.
+  CHECK_FALSE(
+      s->mark_pending(kId, r.token, origin, "debited", {T0 + 29500ms, T0 + 30500ms, T0 + 59500ms}));
+  CHECK_FALSE(progress_of(*s, kId, r.token)->pending);
+  CHECK(lease_until() == T0 + 30s);
+  // Enough left: marked, and the lease renewed to a whole lease from the mark.
+  CHECK(s->mark_pending(kId, r.token, origin, "debited", {T0 + 10s, T0 + 11s, T0 + 40s}));
+  CHECK(progress_of(*s, kId, r.token)->pending == std::optional<std::string>("debited"));
+  CHECK(lease_until() == T0 + 40s);
+  // A lease that already runs longer than the renewal is kept as it is.
+  CHECK(s->mark_pending(kId, r.token, origin, "shipped", {T0 + 5s, T0 + 6s, T0 + 35s}));
+  CHECK(lease_until() == T0 + 40s);
+  CHECK(progress_of(*s, kId, r.token)->pending == std::optional<std::string>("shipped"));
+  // Too close to its end again, then past it with nobody taking the key over: the token is
+  // still current, and both are refused all the same.
+  CHECK_FALSE(s->mark_pending(kId, r.token, origin, "debited", {T0 + 39s, T0 + 41s, T0 + 69s}));
+  CHECK_FALSE(s->mark_pending(kId, r.token, origin, "debited", {T0 + 45s, T0 + 46s, T0 + 75s}));
+  CHECK(lease_until() == T0 + 40s);
+  CHECK(progress_of(*s, kId, r.token)->pending == std::optional<std::string>("shipped"));
+}
+
+TEST_CASE_TEMPLATE(
     "store contract: a zombie's commit_step returns false and neither runs nor commits anything", E,
     SqliteEngine, PgEngine) {
   E engine;
@@ -494,7 +560,8 @@ TEST_CASE_TEMPLATE(
                         }};
   CHECK_FALSE(zombie_store->commit_step(kId, zombie.token, p->origin, late));
   CHECK_FALSE(ran);
-  CHECK_FALSE(zombie_store->mark_pending(kId, zombie.token, p->origin, "order_created"));
+  CHECK_FALSE(zombie_store->mark_pending(kId, zombie.token, p->origin, "order_created",
+                                         lease_at(T0 + 32s)));
   CHECK(orders(engine, *owner_store) == "'A-1'=4990");
   CHECK(owner_store->outbox_counts().pending == 0);
   CHECK(owner_store->load(kId)->recovery_point == std::optional<std::string>("debited"));
@@ -520,7 +587,7 @@ TEST_CASE_TEMPLATE("store contract: a local step that throws rolls back the whol
   REQUIRE(s->commit_step(
       kId, r.token, p->origin,
       StepCommit{StepResult{"debited", "ch_1", false}, T0 + 1s, add_order(engine, "A-1", 4990)}));
-  REQUIRE(s->mark_pending(kId, r.token, p->origin, "order_created"));
+  REQUIRE(s->mark_pending(kId, r.token, p->origin, "order_created", lease_at(T0 + 1s)));
 
   // The application's own exception propagates as it was thrown.
   std::string first_id;

@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <random>
 #include <utility>
 
 #include "attempt.hpp"
@@ -45,6 +47,14 @@ std::shared_ptr<Store> checked(std::shared_ptr<Store> store, const Options& o) {
   check_option(o.heartbeat.count() == 0 || o.heartbeat < o.lease,
                "heartbeat ({} ms) must be shorter than the lease ({} ms), or 0 for none",
                o.heartbeat.count(), o.lease.count());
+  auto check_margin = [&](std::chrono::milliseconds m, std::string_view name, std::string_view op) {
+    check_option(m.count() >= 0 && m < o.lease,
+                 "{}{} ({} ms) must be at least 0 and shorter than the lease ({} ms)", name, op,
+                 m.count(), o.lease.count());
+  };
+  if (o.call_margin) check_margin(*o.call_margin, "call_margin", "");
+  for (const auto& [op, m] : o.call_margin_by_operation)
+    check_margin(m, "call_margin for ", fmt::format("'{}'", op));
   check_option(o.max_wait.count() >= 0, "max_wait must not be negative");
   check_option(o.poll_initial.count() > 0, "poll_initial must be positive");
   check_option(o.poll_max >= o.poll_initial, "poll_max must not be below poll_initial");
@@ -90,7 +100,40 @@ CoordinatorCore::CoordinatorCore(std::shared_ptr<Store> s, Options o)
       options(std::move(o)),
       clock(options.clock ? options.clock : std::make_shared<SystemClock>()),
       changes(*store, inflight),
-      commits(*store) {}
+      commits(*store),
+      claims_(std::random_device{}() * 0x100000001ULL + std::random_device{}()) {}
+
+std::int64_t CoordinatorCore::new_claim() {
+  for (;;) {
+    const auto claim = static_cast<std::int64_t>(claims_.fetch_add(1, std::memory_order_relaxed));
+    if (claim != 0) return claim;
+  }
+}
+
+void LostReservations::add(std::int64_t claim, const KeyId& id) {
+  std::lock_guard lock(mutex_);
+  if (lost_.size() == kMax) lost_.pop_front();
+  lost_.emplace_back(claim, id);
+}
+
+bool LostReservations::take(std::int64_t claim) {
+  std::lock_guard lock(mutex_);
+  const auto it = std::find_if(lost_.begin(), lost_.end(),
+                               [claim](const auto& entry) { return entry.first == claim; });
+  if (it == lost_.end()) return false;
+  lost_.erase(it);
+  return true;
+}
+
+std::vector<std::pair<std::int64_t, KeyId>> LostReservations::all() const {
+  std::lock_guard lock(mutex_);
+  return {lost_.begin(), lost_.end()};
+}
+
+bool LostReservations::empty() const {
+  std::lock_guard lock(mutex_);
+  return lost_.empty();
+}
 
 CoordinatorCore::ChangeSubscription::ChangeSubscription(Store& store, InflightRegistry& inflight)
     : store_(store), id_(store.add_change_listener([&inflight](const KeyId& id) {
@@ -127,12 +170,20 @@ Call CoordinatorCore::prepare(const Request& r, bool steps) const {
   c.id = KeyId{r.tenant, r.operation, *r.key};
   c.fingerprint = r.fingerprint;
   c.ttl = ttl_for(r.operation);
+  c.margin = call_margin_for(r.operation);
   return c;
 }
 
 std::chrono::milliseconds CoordinatorCore::ttl_for(std::string_view operation) const {
   auto it = options.ttl_by_operation.find(operation);
   return it != options.ttl_by_operation.end() ? it->second : options.ttl;
+}
+
+std::chrono::milliseconds CoordinatorCore::call_margin_for(std::string_view operation) const {
+  auto it = options.call_margin_by_operation.find(operation);
+  if (it != options.call_margin_by_operation.end()) return it->second;
+  if (options.call_margin) return *options.call_margin;
+  return std::min<std::chrono::milliseconds>(std::chrono::seconds(1), options.lease / 4);
 }
 
 StoredResponse CoordinatorCore::stored_form(const KeyId& id, const Response& response) const {

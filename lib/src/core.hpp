@@ -7,8 +7,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "decide.hpp"
 #include "group_commit.hpp"
@@ -33,6 +37,26 @@ inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t n = 1) {
   c.fetch_add(n, std::memory_order_relaxed);
 }
 
+// Reservations this coordinator wrote whose outcome it never learned (the write failed, and it
+// may have committed all the same: a reply lost on its way back), by the claim they carried.
+// Such a reservation holds its key for a whole lease with nobody running it; whoever of this
+// coordinator next finds a record with one of these claims knows its holder is gone, and
+// releases it. Bounded: past kMax the oldest are forgotten (their leases end by themselves).
+// Thread-safety: safe for concurrent use.
+class LostReservations {
+ public:
+  static constexpr std::size_t kMax = 4096;
+  void add(std::int64_t claim, const KeyId& id);
+  // Forgets `claim`; true if it was there.
+  bool take(std::int64_t claim);
+  std::vector<std::pair<std::int64_t, KeyId>> all() const;
+  bool empty() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::deque<std::pair<std::int64_t, KeyId>> lost_;  // guarded by mutex_, oldest first
+};
+
 // Thread-safety: safe for concurrent use (the members are thread-safe or never change).
 class CoordinatorCore {
  public:
@@ -43,6 +67,12 @@ class CoordinatorCore {
   Call prepare(const Request& request, bool steps = false) const;
 
   std::chrono::milliseconds ttl_for(std::string_view operation) const;
+  // Options::call_margin for `operation` (call_margin_by_operation, else call_margin, else its
+  // default).
+  std::chrono::milliseconds call_margin_for(std::string_view operation) const;
+  // A reservation's claim (StoreOp::claim): never 0, never the same twice in this coordinator,
+  // and unlike any other coordinator's but by a 2^-64 chance.
+  std::int64_t new_claim();
 
   // A response as the store keeps it: bodies over inline_body_limit go to the payload
   // store (throws what PayloadStore::put throws). response_of() is the way back (throws
@@ -78,6 +108,10 @@ class CoordinatorCore {
   } changes;
   GroupCommit commits;
   ReadFirst read_first;  // whether calls read their key's record before reserving it
+  LostReservations lost;
+
+ private:
+  std::atomic<std::uint64_t> claims_;  // the next claim's number (a random start)
 };
 
 // How the coroutine front end (asio.cpp) reaches a Coordinator's core.

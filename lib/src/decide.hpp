@@ -17,6 +17,7 @@ struct Call {
   Fingerprint fingerprint;
   InFlight policy = InFlight::wait;
   std::chrono::milliseconds ttl{0};
+  std::chrono::milliseconds margin{0};  // Options::call_margin for this operation
   bool has_key = true;  // false: no key, and Options::missing_key is run_unprotected
   bool steps = false;   // call_steps: its progress lives in the store, so never unprotected
 };

@@ -20,6 +20,8 @@ std::string_view to_string(errc code) noexcept {
       return "lease_lost";
     case errc::store_unavailable:
       return "store_unavailable";
+    case errc::outcome_unknown:
+      return "outcome_unknown";
   }
   return "unknown";
 }
@@ -48,6 +50,23 @@ LeaseLostError::LeaseLostError(std::int64_t token)
             fmt::format("lease lost: fencing token {} was superseded; the result was not stored",
                         token)),
       token_(token) {}
+
+LeaseLostError::LeaseLostError(std::int64_t token, std::string_view why)
+    : error(errc::lease_lost, fmt::format("lease lost (fencing token {}): {}", token, why)),
+      token_(token) {}
+
+OutcomeUnknownError::OutcomeUnknownError(std::string step, std::optional<std::string> result)
+    : error(errc::outcome_unknown,
+            result ? fmt::format("the operation stopped in step '{}' after its call returned "
+                                 "'{}' and before that was recorded: retry with the same key "
+                                 "(it resumes), never with a new one",
+                                 step, *result)
+                   : fmt::format("the operation stopped in step '{}' after an effect may have "
+                                 "happened: retry with the same key (it resumes), never with a "
+                                 "new one",
+                                 step)),
+      step_(std::move(step)),
+      result_(std::move(result)) {}
 
 StoreError::StoreError(const std::string& what, int sqlite_code)
     : error(errc::store_unavailable, what), sqlite_code_(sqlite_code) {}

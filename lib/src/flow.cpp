@@ -78,6 +78,10 @@ Effect Flow::next() {
       return after_store();
     case Phase::release:
       return after_release();
+    case Phase::free:
+      return after_free();
+    case Phase::late:
+      return after_late();
     case Phase::sleep:
       unsubscribe();  // a wake may already have dropped us; subscribing again follows a read
       return read();
@@ -91,7 +95,18 @@ Effect Flow::next() {
 
 Effect Flow::after_read() {
   const TimePoint t = core_.now();
+  const std::int64_t confirming = std::exchange(confirming_, 0);
   if (loaded_.error) {
+    if (confirming != 0) {
+      // Whether the reservation committed is unknown: it may hold the key for a whole lease
+      // with nobody to run it. Whoever of this coordinator meets it next releases it.
+      core_.lost.add(confirming, call_.id);
+      log(LogLevel::warning, "reservation_unknown",
+          fmt::format("the reservation failed and a look to see whether it committed failed too "
+                      "({}); this coordinator releases it when it finds it",
+                      describe(loaded_.error)));
+      return on({Found::Kind::store_failed}, nullptr, t);  // store_error_: the write's
+    }
     if (holder_ != 0) {
       // A look while waiting failed: keep waiting for the holder already seen.
       bump(core_.counters.store_errors);
@@ -104,9 +119,44 @@ Effect Flow::after_read() {
   }
   if (loaded_.record && loaded_.record->live_at(t)) {
     Record& r = *loaded_.record;
+    if (confirming != 0 && r.state == State::in_progress && r.claim == confirming) {
+      // The reservation committed; only its reply was lost. The call owns the key.
+      log(LogLevel::warning, "reservation_confirmed",
+          "the reservation's reply was lost; a look found it committed", r.token);
+      op_.reservation = Reservation{Reservation::Kind::reserved, r.token, r.recovery_point, {}};
+      return act(Decision::run_reserved, nullptr, t);
+    }
+    if (lost_here(r)) return free_lost(r, t);
     return on({Found::Kind::live, &r}, &r, t);
   }
   return on({Found::Kind::nothing_live}, nullptr, t);
+}
+
+bool Flow::lost_here(const Record& r) {
+  return call_.policy != InFlight::run && r.state == State::in_progress && r.claim != 0 &&
+         !core_.lost.empty() && core_.lost.take(r.claim);
+}
+
+Effect Flow::free_lost(const Record& r, TimePoint now) {
+  log(LogLevel::warning, "released_lost",
+      "the key is held by a reservation of this coordinator whose reply was lost: nobody runs "
+      "it, so it is released",
+      r.token);
+  op_ = StoreOp{.kind = StoreOp::Kind::release,
+                .id = &call_.id,
+                .now = now,
+                .expires_at = now + call_.ttl,
+                .token = r.token};
+  return write(Phase::free);
+}
+
+Effect Flow::after_free() {
+  if (op_.error) {
+    store_error_ = op_.error;
+    return on({Found::Kind::store_failed}, nullptr, core_.now());
+  }
+  // Released, or taken by another call meanwhile (the reservation finds out which).
+  return act(Decision::reserve, nullptr, core_.now());
 }
 
 Effect Flow::after_reserve() {
@@ -116,10 +166,17 @@ Effect Flow::after_reserve() {
   Found found{Found::Kind::owned};
   Record* existing = nullptr;
   if (op_.error) {
-    found = Found{Found::Kind::store_failed};
     store_error_ = op_.error;
+    if (!std::exchange(confirmed_once_, true)) {
+      // The write failed, and it may have committed all the same (a reply lost on its way
+      // back): a look tells whether the record holds this call's claim.
+      confirming_ = op_.claim;
+      return read();
+    }
+    found = Found{Found::Kind::store_failed};
   } else if (r.kind == Reservation::Kind::existing) {
     existing = &*r.existing;
+    if (lost_here(*existing)) return free_lost(*existing, t);
     found = Found{Found::Kind::live, existing};
   }
   return on(found, existing, t);
@@ -138,7 +195,9 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
                     .id = &call_.id,
                     .fingerprint = &call_.fingerprint,
                     .now = now,
-                    .lease_until = now + core_.options.lease};
+                    .lease_until = now + core_.options.lease,
+                    .claim = core_.new_claim()};
+      reserved_until_ = op_.lease_until;
       return write(Phase::reserve);
 
     case Decision::run_reserved: {
@@ -146,6 +205,12 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
       const bool takeover = r.kind == Reservation::Kind::taken_over;
       if (!std::exchange(looked_, true)) core_.read_first.fresh();
       token_ = r.token;
+      if (!call_.steps && now + call_.margin >= reserved_until_) {
+        // The reservation came back with less than the call margin of its lease left (a reply
+        // that was slow, an owner that was paused): the store may let another call take the key
+        // over while the action runs. The action is not run; the key is released.
+        return refuse_late(now);
+      }
       bump(takeover ? core_.counters.taken_over : core_.counters.reserved);
       bump(core_.counters.executed);
       log(takeover ? LogLevel::warning : LogLevel::debug, takeover ? "taken_over" : "reserved",
@@ -331,6 +396,34 @@ Effect Flow::unstored(std::string_view why) {
   bump(core_.counters.store_errors);
   log(LogLevel::error, "complete_failed", why);
   return answer(std::move(response_), Outcome::Source::executed, {});
+}
+
+Effect Flow::refuse_late(TimePoint now) {
+  bump(core_.counters.lease_lost);
+  log(LogLevel::error, "lease_lost",
+      fmt::format("the reservation came back with {} ms of its lease left, less than the call "
+                  "margin ({} ms): the action is not run, and the key is released",
+                  std::max<std::int64_t>(0, (reserved_until_ - now).count()),
+                  call_.margin.count()));
+  failure_ = std::make_exception_ptr(LeaseLostError(
+      token_,
+      "the reservation came back with too little of its lease left: the action was not "
+      "run"));
+  op_ = StoreOp{.kind = StoreOp::Kind::release,
+                .id = &call_.id,
+                .now = now,
+                .expires_at = now + call_.ttl,
+                .token = token_};
+  return write(Phase::late);
+}
+
+Effect Flow::after_late() {
+  if (op_.error) {
+    // The key stays reserved until its lease ends; nothing ran.
+    bump(core_.counters.store_errors);
+    log(LogLevel::error, "release_failed", describe(op_.error));
+  }
+  std::rethrow_exception(failure_);
 }
 
 Effect Flow::after_release() {

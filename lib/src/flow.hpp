@@ -75,7 +75,20 @@ class Flow {
   Outcome outcome() { return std::move(outcome_); }
 
  private:
-  enum class Phase { start, read, reserve, run, ran, failed, complete, store, release, sleep };
+  enum class Phase {
+    start,
+    read,
+    reserve,
+    run,
+    ran,
+    failed,
+    complete,
+    store,
+    release,
+    sleep,
+    free,  // releasing a reservation of this coordinator whose reply was lost
+    late,  // releasing a reservation whose reply came back too late to call out
+  };
   enum class Mode { reserved, unreserved, unprotected };  // how the action runs
 
   // Performs decision `d`; `record` is the live record it was made on (nullptr if none),
@@ -95,6 +108,16 @@ class Flow {
   Effect after_complete();
   Effect after_store();
   Effect after_release();
+  Effect after_free();
+  Effect after_late();
+  // The reservation came back too late for the action to run (reserved_until_): releases it
+  // and ends the call with LeaseLostError.
+  Effect refuse_late(TimePoint now);
+  // Whether `r` is a reservation of this coordinator whose reply was lost (LostReservations);
+  // it is forgotten there, for this call is about to release it.
+  bool lost_here(const Record& r);
+  // Releases `r` (lost_here), then reserves again.
+  Effect free_lost(const Record& r, TimePoint now);
   // The action ran but its response was not stored (logged "complete_failed", counted).
   Effect unstored(std::string_view why);
   void unsubscribe();
@@ -111,7 +134,16 @@ class Flow {
   Mode mode_ = Mode::reserved;
 
   std::int64_t token_ = 0;  // Mode::reserved: this call's fencing token
-  bool holding_ = false;    // the in-flight registry records this call as the key's holder
+  // When the last reservation this call sent ends at the latest, on the call's clock: its
+  // lease, counted from before it was sent (the store started it later, or not at all). A
+  // single-step call runs its action only with Call::margin of it left.
+  TimePoint reserved_until_{};
+  // A reservation whose write failed, by its claim, while a read tells whether it committed
+  // all the same; 0 otherwise. Only a call's first failed reservation is looked up, so a store
+  // that reads but cannot write fails the call instead of looping.
+  std::int64_t confirming_ = 0;
+  bool confirmed_once_ = false;
+  bool holding_ = false;  // the in-flight registry records this call as the key's holder
   std::optional<Heartbeat> heartbeat_;
 
   // Waiting for another request (InFlight::wait).

@@ -57,6 +57,7 @@ int http_status(errc code) noexcept {
     case errc::lease_lost:
       return 409;
     case errc::store_unavailable:
+    case errc::outcome_unknown:
       return 503;
   }
   return 500;
@@ -81,6 +82,8 @@ std::string_view http_error_code(const error& e) noexcept {
       return "lease_lost";
     case errc::store_unavailable:
       return "store_unavailable";
+    case errc::outcome_unknown:
+      return "outcome_unknown";
   }
   return "internal_error";
 }
@@ -116,6 +119,8 @@ Response to_http(const error& e) {
         return "The request lost its reservation";
       case errc::store_unavailable:
         return "Idempotency store unavailable";
+      case errc::outcome_unknown:
+        return "Outcome unknown: retry with the same key";
     }
     return "Error";
   };

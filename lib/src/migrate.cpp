@@ -70,6 +70,7 @@ class SqliteSource {
       r.recovery_point = text_or_null(s, 13);
       r.progress = text_or_null(s, 14);
       r.request = blob_or_null(s, 15);
+      if (!s.is_null(16)) r.claim = s.int64(16);
       out.push_back(std::move(r));
     }
     return out;

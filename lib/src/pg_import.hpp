@@ -29,6 +29,7 @@ struct RecordRow {
   std::optional<std::string> recovery_point;
   std::optional<std::string> progress;  // JSON, as record_codec.hpp keeps it
   std::optional<std::string> request;
+  std::optional<std::int64_t> claim;
   bool refresh_only = false;  // bring an existing row up to date; never insert one
 };
 

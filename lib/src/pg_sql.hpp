@@ -51,7 +51,7 @@ INSERT INTO {s}.idem_meta (version) VALUES ({v}))sql";
 
 // Migrations, applied in order in one transaction; idem_meta.version is how many have run.
 // Append, never edit.
-inline constexpr std::array<std::string_view, 1> kMigrations = {
+inline constexpr std::array<std::string_view, 2> kMigrations = {
     // v1: the records, the outbox and the two write functions, as SQLite's schema v3 keeps
     // them (sql.hpp). state: 1 in_progress, 2 completed, 3 released. The body is bytea: a
     // replay is byte for byte.
@@ -192,15 +192,85 @@ BEGIN
   o_stored := true;
 END $$;
 )sql",
+    // v2: the database's clock as a function; the claim a reservation's writer chose
+    // (Record::claim); and idem_reserve on the database's clock: given no p_now, it judges the
+    // record at the moment it runs and starts the lease (p_lease, a duration) then, so a
+    // reservation that arrives late never writes a lease that has already ended. (v1's
+    // idem_reserve stays, for nodes not yet upgraded.)
+    R"sql(
+ALTER TABLE {s}.idem_keys ADD COLUMN claim bigint;
+CREATE FUNCTION {s}.idem_now() RETURNS bigint LANGUAGE sql VOLATILE
+AS $$ SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint $$;
+
+CREATE FUNCTION {s}.idem_reserve(
+    p_tenant text, p_operation text, p_key text, p_fp bytea, p_now bigint, p_lease bigint,
+    p_claim bigint,
+    OUT o_kind smallint, OUT o_token bigint, OUT o_point text,
+    OUT e_fingerprint bytea, OUT e_state smallint, OUT e_token bigint, OUT e_lease_until bigint,
+    OUT e_created_at bigint, OUT e_expires_at bigint, OUT e_status integer, OUT e_headers text,
+    OUT e_body bytea, OUT e_body_ref text, OUT e_recovery_point text, OUT e_claim bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+  r {s}.idem_keys%ROWTYPE;
+  v_now bigint := coalesce(p_now, {s}.idem_now());
+  v_lease_until bigint := v_now + p_lease;
+  has_progress boolean;
+  same boolean;
+  takeover boolean;
+  resume boolean;
+BEGIN
+  LOOP
+    INSERT INTO {s}.idem_keys (tenant, operation, key, fingerprint, state, token, lease_until,
+                               created_at, expires_at, claim)
+    VALUES (p_tenant, p_operation, p_key, p_fp, 1, v_now, v_lease_until, v_now, v_lease_until,
+            p_claim)
+    ON CONFLICT (tenant, operation, key) DO NOTHING;
+    IF FOUND THEN
+      o_kind := 0;
+      o_token := v_now;
+      RETURN;
+    END IF;
+    SELECT * INTO r FROM {s}.idem_keys k
+    WHERE k.tenant = p_tenant AND k.operation = p_operation AND k.key = p_key FOR UPDATE;
+    EXIT WHEN FOUND;  -- else purged in between: insert again
+  END LOOP;
+  has_progress := r.progress IS NOT NULL;
+  same := r.fingerprint = p_fp;
+  IF (r.state = 1 AND v_now < r.lease_until) OR (r.state = 2 AND v_now < r.expires_at)
+     OR (has_progress AND NOT same
+         AND (r.state = 1 OR (r.state = 3 AND v_now < r.expires_at))) THEN
+    o_kind := 2;
+    e_fingerprint := r.fingerprint; e_state := r.state; e_token := r.token;
+    e_lease_until := r.lease_until; e_created_at := r.created_at; e_expires_at := r.expires_at;
+    e_status := r.status; e_headers := r.headers; e_body := r.body; e_body_ref := r.body_ref;
+    e_recovery_point := r.recovery_point; e_claim := r.claim;
+    RETURN;
+  END IF;
+  takeover := r.state = 1;
+  resume := same AND (takeover OR (has_progress AND r.state = 3 AND v_now < r.expires_at));
+  o_kind := CASE WHEN takeover THEN 1 ELSE 0 END;
+  o_token := greatest(r.token + 1, v_now);
+  IF resume THEN o_point := r.recovery_point; END IF;
+  UPDATE {s}.idem_keys k
+  SET fingerprint = p_fp, state = 1, token = o_token, lease_until = v_lease_until,
+      created_at = v_now, expires_at = v_lease_until, claim = p_claim, status = NULL,
+      headers = NULL, body = NULL, body_ref = NULL,
+      recovery_point = CASE WHEN resume THEN k.recovery_point END,
+      progress = CASE WHEN resume THEN k.progress END,
+      request = CASE WHEN resume THEN k.request END
+  WHERE k.tenant = p_tenant AND k.operation = p_operation AND k.key = p_key;
+END $$;
+)sql",
 };
 
 // The database's clock, in epoch milliseconds.
 inline constexpr std::string_view kNow =
     "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
-// $4 fingerprint $5 now $6 lease_until
+// $4 fingerprint $5 now (NULL: the database's clock, as the statement runs) $6 the lease, in ms
+// $7 claim (or NULL)
 inline constexpr std::string_view kReserve =
-    "SELECT * FROM {s}.idem_reserve($1, $2, $3, $4::bytea, $5::bigint, $6::bigint)";
+    "SELECT * FROM {s}.idem_reserve($1, $2, $3, $4::bytea, $5::bigint, $6::bigint, $7::bigint)";
 
 // $4 fingerprint $5 now $6 expires_at $7 status $8 headers $9 body $10 body_ref
 inline constexpr std::string_view kStoreIfAbsent =
@@ -208,10 +278,10 @@ inline constexpr std::string_view kStoreIfAbsent =
     "$7::integer, $8::text, $9::bytea, $10::text)";
 
 // The columns of a record, in the order idem_reserve's and idem_store_if_absent's e_ columns
-// give them too.
+// give them too (the latter without the claim).
 inline constexpr std::string_view kLoad = R"sql(
 SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
-       body_ref, recovery_point
+       body_ref, recovery_point, claim
 FROM {s}.idem_keys WHERE tenant = $1 AND operation = $2 AND key = $3)sql";
 
 // $4 token $5 status $6 headers $7 body $8 body_ref $9 expires_at
@@ -270,6 +340,18 @@ UPDATE {s}.idem_keys SET request = coalesce(request, $5::bytea)
 WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND state = 1
 RETURNING state, token, progress, request)sql";
 
+// An external step marked pending (Store::mark_pending), under the row's lock (kLoadProgress
+// took it): $4 token $5 progress (JSON) $6 now (NULL: the database's clock) $7 how long from
+// now the lease must still run, in ms $8 how long from now it is renewed to, if it ends sooner.
+inline constexpr std::string_view kMarkPending = R"sql(
+WITH t AS (SELECT coalesce($6::bigint, {s}.idem_now()) AS now)
+UPDATE {s}.idem_keys k
+SET progress = $5::text, lease_until = greatest(k.lease_until, t.now + $8::bigint),
+    expires_at = greatest(k.lease_until, t.now + $8::bigint)
+FROM t
+WHERE k.tenant = $1 AND k.operation = $2 AND k.key = $3 AND k.token = $4::bigint AND k.state = 1
+  AND k.lease_until >= t.now + $7::bigint)sql";
+
 // $4 token $5 progress (JSON) $6 recovery point (or NULL)
 inline constexpr std::string_view kSetProgress = R"sql(
 UPDATE {s}.idem_keys SET progress = $5::text, recovery_point = coalesce($6::text, recovery_point)
@@ -320,20 +402,20 @@ WHERE id IN (SELECT id FROM {s}.idem_outbox WHERE state = 1 AND next_at < $1::bi
 
 // migrate_sqlite_to_pg (idem/migrate.hpp): one record copied from SQLite, all its columns.
 // $4 fingerprint $5 state $6 token $7 lease_until $8 created_at $9 expires_at $10 status
-// $11 headers $12 body $13 body_ref $14 recovery_point $15 progress $16 request $17 how many ms
-// two times may differ and still count as one (two measurements of the clock's offset differ)
-// $18 1: only bring an existing row up to date, never insert one. Written only over a row at a
-// lower token, or at the same token (an earlier copy) that differs; never over a row at a
+// $11 headers $12 body $13 body_ref $14 recovery_point $15 progress $16 request $19 claim $17 how
+// many ms two times may differ and still count as one (two measurements of the clock's offset
+// differ) $18 1: only bring an existing row up to date, never insert one. Written only over a row
+// at a lower token, or at the same token (an earlier copy) that differs; never over a row at a
 // higher token (reserved or taken over here since). Returns whether it wrote (0 or 1) and the
 // row's token before (NULL: there was none; the main query sees what the WITH saw).
 inline constexpr std::string_view kImportRecord = R"sql(
 WITH written AS (
   INSERT INTO {s}.idem_keys AS k (tenant, operation, key, fingerprint, state, token, lease_until,
                                   created_at, expires_at, status, headers, body, body_ref,
-                                  recovery_point, progress, request)
+                                  recovery_point, progress, request, claim)
   SELECT $1::text, $2::text, $3::text, $4::bytea, $5::smallint, $6::bigint, $7::bigint,
          $8::bigint, $9::bigint, $10::integer, $11::text, $12::bytea, $13::text, $14::text,
-         $15::text, $16::bytea
+         $15::text, $16::bytea, $19::bigint
   WHERE $18::integer = 0
      OR EXISTS (SELECT 1 FROM {s}.idem_keys WHERE tenant = $1 AND operation = $2 AND key = $3)
   ON CONFLICT (tenant, operation, key) DO UPDATE
@@ -342,15 +424,15 @@ WITH written AS (
       expires_at = EXCLUDED.expires_at, status = EXCLUDED.status, headers = EXCLUDED.headers,
       body = EXCLUDED.body, body_ref = EXCLUDED.body_ref,
       recovery_point = EXCLUDED.recovery_point, progress = EXCLUDED.progress,
-      request = EXCLUDED.request
+      request = EXCLUDED.request, claim = EXCLUDED.claim
   WHERE k.token < EXCLUDED.token
      OR (k.token = EXCLUDED.token
          AND ((k.fingerprint, k.state, k.status, k.headers, k.body, k.body_ref, k.recovery_point,
-               k.progress, k.request)
+               k.progress, k.request, k.claim)
               IS DISTINCT FROM
               (EXCLUDED.fingerprint, EXCLUDED.state, EXCLUDED.status, EXCLUDED.headers,
                EXCLUDED.body, EXCLUDED.body_ref, EXCLUDED.recovery_point, EXCLUDED.progress,
-               EXCLUDED.request)
+               EXCLUDED.request, EXCLUDED.claim)
               OR abs(k.lease_until - EXCLUDED.lease_until) > $17::bigint
               OR abs(k.created_at - EXCLUDED.created_at) > $17::bigint
               OR abs(k.expires_at - EXCLUDED.expires_at) > $17::bigint))

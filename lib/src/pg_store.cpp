@@ -161,7 +161,8 @@ struct Shift {
   std::int64_t to_db(TimePoint t) const { return detail::ms(t) + offset; }
 };
 
-// The record in columns first..first+10 (pg_sql::kLoad's order).
+// The record in columns first..first+10 (pg_sql::kLoad's order), and its claim in first+11
+// when the result has that column.
 Record read_record(const PGresult* r, int row, int first, const Shift& shift) {
   Record out;
   const std::string_view fp = bytes_at(r, row, first);
@@ -186,6 +187,8 @@ Record read_record(const PGresult* r, int row, int first, const Shift& shift) {
   out.response.body = std::string(bytes_at(r, row, first + 8));
   if (!is_null(r, row, first + 9)) out.body_ref = std::string(bytes_at(r, row, first + 9));
   if (!is_null(r, row, first + 10)) out.recovery_point = std::string(bytes_at(r, row, first + 10));
+  if (PQnfields(r) > first + 11 && !is_null(r, row, first + 11))
+    out.claim = int_at(r, row, first + 11);
   return out;
 }
 
@@ -202,6 +205,7 @@ enum Stmt : int {
   kReap,
   kLoadProgress,
   kBeginSteps,
+  kMarkPending,
   kSetProgress,
   kAbandoned,
   kOutboxInsert,
@@ -217,14 +221,14 @@ enum Stmt : int {
 };
 
 constexpr std::array<std::string_view, kStatementCount> kTexts = {
-    pg_sql::kReserve,          pg_sql::kStoreIfAbsent, pg_sql::kLoad,
-    pg_sql::kComplete,         pg_sql::kRelease,       pg_sql::kRenew,
-    pg_sql::kSetRecoveryPoint, pg_sql::kPurge,         pg_sql::kReap,
-    pg_sql::kLoadProgress,     pg_sql::kBeginSteps,    pg_sql::kSetProgress,
-    pg_sql::kAbandoned,        pg_sql::kOutboxInsert,  pg_sql::kOutboxClaim,
-    pg_sql::kOutboxDelivered,  pg_sql::kOutboxFailed,  pg_sql::kOutboxCounts,
-    pg_sql::kOutboxPurge,      pg_sql::kNow,           pg_sql::kImportRecord,
-    pg_sql::kImportMessage};
+    pg_sql::kReserve,          pg_sql::kStoreIfAbsent,   pg_sql::kLoad,
+    pg_sql::kComplete,         pg_sql::kRelease,         pg_sql::kRenew,
+    pg_sql::kSetRecoveryPoint, pg_sql::kPurge,           pg_sql::kReap,
+    pg_sql::kLoadProgress,     pg_sql::kBeginSteps,      pg_sql::kMarkPending,
+    pg_sql::kSetProgress,      pg_sql::kAbandoned,       pg_sql::kOutboxInsert,
+    pg_sql::kOutboxClaim,      pg_sql::kOutboxDelivered, pg_sql::kOutboxFailed,
+    pg_sql::kOutboxCounts,     pg_sql::kOutboxPurge,     pg_sql::kNow,
+    pg_sql::kImportRecord,     pg_sql::kImportMessage};
 
 std::string statement_name(Stmt s) { return fmt::format("idem_{}", static_cast<int>(s)); }
 
@@ -637,7 +641,18 @@ struct PgStore::Impl {
     switch (op.kind) {
       case StoreOp::Kind::reserve:
         fp();
-        p.integer(sh.to_db(op.now)).integer(sh.to_db(op.lease_until));
+        // On the database's clock, the reservation is judged and its lease starts when it runs.
+        if (options.clock == PgClock::database) {
+          p.null();
+        } else {
+          p.integer(sh.to_db(op.now));
+        }
+        p.integer(std::max<std::int64_t>(0, (op.lease_until - op.now).count()));
+        if (op.claim == 0) {
+          p.null();
+        } else {
+          p.integer(op.claim);
+        }
         break;
       case StoreOp::Kind::complete:
         p.integer(op.token);
@@ -1315,14 +1330,23 @@ std::optional<Progress> PgStore::begin_steps(const KeyId& id, std::int64_t token
 }
 
 bool PgStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                           const std::string& step) {
+                           const std::string& step, const LeaseCheck& lease) {
   Impl& d = *impl_;
   return d.locked([&] {
     Impl::Transaction t(d);
     std::optional<ProgressRow> row = d.load_progress(id);
     if (!row || row->token != token || row->state != State::in_progress) return false;
-    const Progress p = detail::with_pending(std::move(row->progress), origin, step);
-    if (!d.write_progress(id, token, p, nullptr)) return false;
+    Params p;
+    p.id(id).integer(token).text(
+        detail::progress_to_json(detail::with_pending(std::move(row->progress), origin, step)));
+    // On the database's clock, the lease is judged (and renewed) when the statement runs.
+    if (d.options.clock == PgClock::database) {
+      p.null();
+    } else {
+      p.integer(d.shift().to_db(lease.now));
+    }
+    p.integer((lease.needed - lease.now).count()).integer((lease.renew_to - lease.now).count());
+    if (Impl::changed(d.run(kMarkPending, p).get()) != 1) return false;  // the lease ends too soon
     t.commit();
     return true;
   });
@@ -1491,6 +1515,11 @@ std::vector<PgImport::Outcome> PgImport::records(PgStore& store, std::span<const
       optional_text(p, row.progress);
       optional_text(p, row.request);
       p.integer(slack).integer(row.refresh_only ? 1 : 0);
+      if (row.claim) {
+        p.integer(*row.claim);
+      } else {
+        p.null();
+      }
       Result r = d.run(kImportRecord, p);
       if (PQntuples(r.get()) != 1) throw StoreError("postgresql: an import returned no row", 0);
       if (int_at(r.get(), 0, 0) == 1) {

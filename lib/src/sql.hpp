@@ -10,7 +10,7 @@ namespace idem::sql {
 
 // Migrations, applied in order inside one BEGIN IMMEDIATE transaction; the database's
 // PRAGMA user_version is how many have run. Append, never edit.
-inline constexpr std::array<std::string_view, 3> kMigrations = {
+inline constexpr std::array<std::string_view, 4> kMigrations = {
     // v1: one record per (tenant, operation, key). state: 1 in_progress, 2 completed,
     // 3 released. Times are milliseconds since the Unix epoch. expires_at is when the
     // record stops counting (the lease's end while in progress, the TTL's end once
@@ -84,6 +84,11 @@ CREATE TABLE idem_outbox (
 ) STRICT, WITHOUT ROWID;
 CREATE INDEX idem_outbox_due ON idem_outbox (state, next_at);
 )sql",
+    // v4: the claim a reservation's writer chose (Record::claim), so that a writer whose reply
+    // was lost can tell its own reservation from another's.
+    R"sql(
+ALTER TABLE idem_keys ADD COLUMN claim INTEGER;
+)sql",
 };
 
 inline constexpr std::string_view kSynchronousNormal = "PRAGMA synchronous=NORMAL";
@@ -92,21 +97,21 @@ inline constexpr std::string_view kUserVersion = "PRAGMA user_version";
 // A format string: the version is an integer the migration driver writes.
 inline constexpr std::string_view kSetUserVersion = "PRAGMA user_version = {}";
 
-// ?1 tenant ?2 operation ?3 key ?4 fingerprint ?5 token (= now) ?6 lease_until ?7 now.
-// Changes one row only if the key was absent (sqlite3_changes() says which; a RETURNING
-// clause would cost a temporary b-tree per call).
+// ?1 tenant ?2 operation ?3 key ?4 fingerprint ?5 token (= now) ?6 lease_until ?7 now
+// ?8 claim. Changes one row only if the key was absent (sqlite3_changes() says which; a
+// RETURNING clause would cost a temporary b-tree per call).
 inline constexpr std::string_view kReserve = R"sql(
-INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at)
-VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?6)
+INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at, claim)
+VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?6, ?8)
 ON CONFLICT (tenant, operation, key) DO NOTHING)sql";
 
 // Replaces a record that no longer counts with a new reservation. ?4 fingerprint
 // ?5 new token ?6 lease_until ?7 now ?8 1: resume (keep the recovery point and progress),
-// 0: start afresh ?9 the token read in the same transaction.
+// 0: start afresh ?9 the token read in the same transaction ?10 claim.
 inline constexpr std::string_view kReplaceDead = R"sql(
 UPDATE idem_keys
 SET fingerprint = ?4, state = 1, token = ?5, lease_until = ?6, created_at = ?7, expires_at = ?6,
-    status = NULL, headers = NULL, body = NULL, body_ref = NULL,
+    claim = ?10, status = NULL, headers = NULL, body = NULL, body_ref = NULL,
     recovery_point = CASE WHEN ?8 THEN recovery_point END,
     progress = CASE WHEN ?8 THEN progress END,
     request = CASE WHEN ?8 THEN request END
@@ -126,6 +131,13 @@ WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
 inline constexpr std::string_view kBeginSteps = R"sql(
 UPDATE idem_keys SET request = coalesce(request, ?5)
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
+
+// An external step marked pending (Store::mark_pending): ?4 token ?5 progress (JSON) ?6 the
+// time the lease must still run at ?7 the time it is renewed to, if it ends sooner. (SQLite
+// evaluates every SET expression on the row as it was.)
+inline constexpr std::string_view kMarkPending = R"sql(
+UPDATE idem_keys SET progress = ?5, lease_until = max(lease_until, ?7), expires_at = max(lease_until, ?7)
+WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1 AND lease_until >= ?6)sql";
 
 // ?4 token ?5 progress (JSON) ?6 recovery point (or NULL)
 inline constexpr std::string_view kSetProgress = R"sql(
@@ -180,7 +192,7 @@ WHERE id IN (SELECT id FROM idem_outbox WHERE state = 1 AND next_at < ?1 LIMIT ?
 
 inline constexpr std::string_view kLoad = R"sql(
 SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
-       body_ref, recovery_point
+       body_ref, recovery_point, claim
 FROM idem_keys WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
 
 // ?4 token ?5 status ?6 headers ?7 body ?8 body_ref ?9 expires_at
@@ -245,7 +257,7 @@ SELECT count(*) FROM sqlite_schema WHERE type = 'table' AND name IN ('idem_keys'
 // in key order (the primary key's).
 inline constexpr std::string_view kExportRecords = R"sql(
 SELECT tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at,
-       status, headers, body, body_ref, recovery_point, progress, request
+       status, headers, body, body_ref, recovery_point, progress, request, claim
 FROM idem_keys WHERE (tenant, operation, key) > (?1, ?2, ?3)
 ORDER BY tenant, operation, key LIMIT ?4)sql";
 

@@ -69,6 +69,7 @@ Record read_record(const sqlite::Statement& s) {
   r.response.body = s.blob(8);
   if (!s.is_null(9)) r.body_ref = s.text(9);
   if (!s.is_null(10)) r.recovery_point = s.text(10);
+  if (!s.is_null(11)) r.claim = integer(s, 11, "claim");
   return r;
 }
 

@@ -127,8 +127,9 @@ struct SqliteStore::Impl {
   Statement reserve, replace_dead, load, complete, release, renew, set_recovery_point,
       insert_completed, purge, reap;
   // Multi-step operations and the outbox.
-  Statement has_progress, load_progress, begin_steps, set_progress, abandoned, outbox_insert,
-      outbox_any_due, outbox_claim, outbox_delivered, outbox_failed, outbox_counts, outbox_purge;
+  Statement has_progress, load_progress, begin_steps, mark_pending, set_progress, abandoned,
+      outbox_insert, outbox_any_due, outbox_claim, outbox_delivered, outbox_failed, outbox_counts,
+      outbox_purge;
   // The statements local steps ran, by text, prepared once.
   std::map<std::string, std::unique_ptr<Statement>, std::less<>> local_statements;
   std::atomic<std::uint64_t> transactions{0}, committed_ops{0};
@@ -157,6 +158,7 @@ struct SqliteStore::Impl {
         has_progress(db.get(), sql::kHasProgress),
         load_progress(db.get(), sql::kLoadProgress),
         begin_steps(db.get(), sql::kBeginSteps),
+        mark_pending(db.get(), sql::kMarkPending),
         set_progress(db.get(), sql::kSetProgress),
         abandoned(db.get(), sql::kAbandoned),
         outbox_insert(db.get(), sql::kOutboxInsert),
@@ -237,7 +239,7 @@ struct SqliteStore::Impl {
   // ---- writes, inside a transaction the caller holds ----
 
   Reservation reserve_in_tx(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                            TimePoint lease_until) {
+                            TimePoint lease_until, std::int64_t claim) {
     Reservation out;
     {
       ResetGuard reset(reserve);
@@ -246,6 +248,7 @@ struct SqliteStore::Impl {
       reserve.bind(5, detail::ms(now));
       reserve.bind(6, detail::ms(lease_until));
       reserve.bind(7, detail::ms(now));
+      bind_claim(reserve, 8, claim);
       if (changed(reserve)) {
         out.token = detail::ms(now);
         return out;
@@ -284,8 +287,16 @@ struct SqliteStore::Impl {
     if (takeover && test_control::enabled(test_control::Mutation::takeover_reuses_token))
       out.token = existing->token;
     if (resume) out.recovery_point = existing->recovery_point;
-    replace(id, fingerprint, out.token, now, lease_until, resume, existing->token);
+    replace(id, fingerprint, out.token, now, lease_until, resume, existing->token, claim);
     return out;
+  }
+
+  static void bind_claim(Statement& s, int index, std::int64_t claim) {
+    if (claim == 0) {
+      s.bind_null(index);
+    } else {
+      s.bind(index, claim);
+    }
   }
 
   bool record_has_progress(const KeyId& id) {
@@ -295,7 +306,7 @@ struct SqliteStore::Impl {
   }
 
   void replace(const KeyId& id, const Fingerprint& fingerprint, std::int64_t token, TimePoint now,
-               TimePoint lease_until, bool resume, std::int64_t old_token) {
+               TimePoint lease_until, bool resume, std::int64_t old_token, std::int64_t claim) {
     Statement& s = replace_dead;
     ResetGuard reset(s);
     detail::bind_id(s, id);
@@ -305,6 +316,7 @@ struct SqliteStore::Impl {
     s.bind(7, detail::ms(now));
     s.bind(8, std::int64_t{resume ? 1 : 0});
     s.bind(9, old_token);
+    bind_claim(s, 10, claim);
     if (!changed(s)) throw StoreError("sqlite: reserve: record changed inside its transaction", 0);
   }
 
@@ -355,7 +367,7 @@ struct SqliteStore::Impl {
     if (existing && existing->live_at(now)) return existing;
     // A dead record: overwrite it with a completed one (reserve, then complete).
     const std::int64_t token = std::max(existing ? existing->token + 1 : 0, detail::ms(now));
-    replace(id, fingerprint, token, now, now, false, existing ? existing->token : 0);
+    replace(id, fingerprint, token, now, now, false, existing ? existing->token : 0, 0);
     if (!complete_in_tx(id, token, response, expires_at)) {
       throw StoreError("sqlite: store_if_absent: record changed", 0);
     }
@@ -365,7 +377,7 @@ struct SqliteStore::Impl {
   void run_op(StoreOp& op) {
     switch (op.kind) {
       case StoreOp::Kind::reserve:
-        op.reservation = reserve_in_tx(*op.id, *op.fingerprint, op.now, op.lease_until);
+        op.reservation = reserve_in_tx(*op.id, *op.fingerprint, op.now, op.lease_until, op.claim);
         break;
       case StoreOp::Kind::complete:
         op.applied = complete_in_tx(*op.id, op.token, *op.response, op.expires_at);
@@ -579,14 +591,22 @@ std::optional<Progress> SqliteStore::begin_steps(const KeyId& id, std::int64_t t
 }
 
 bool SqliteStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                               const std::string& step) {
+                               const std::string& step, const LeaseCheck& lease) {
   Impl& d = *impl_;
   return d.write([&]() -> bool {
     sqlite::Transaction t(d.tx);
     std::optional<ProgressRow> row = read_progress(d.load_progress, id);
     if (!row || row->token != token || row->state != State::in_progress) return false;
-    const Progress p = detail::with_pending(std::move(row->progress), origin, step);
-    if (!write_progress(d.set_progress, id, token, p, nullptr)) return false;
+    const std::string text =
+        detail::progress_to_json(detail::with_pending(std::move(row->progress), origin, step));
+    Statement& s = d.mark_pending;
+    ResetGuard reset(s);
+    detail::bind_id(s, id);
+    s.bind(4, token);
+    s.bind(5, text);
+    s.bind(6, detail::ms(lease.needed));
+    s.bind(7, detail::ms(lease.renew_to));
+    if (!Impl::changed(s)) return false;  // the lease ends too soon
     t.commit();
     return true;
   });

@@ -31,6 +31,31 @@ const std::string* Attempt::result(std::string_view step) const noexcept {
   return nullptr;
 }
 
+const std::string* Attempt::known_result(std::string_view step) const noexcept {
+  if (const std::string* r = result(step)) return r;
+  const auto it = unrecorded_.find(step);
+  return it != unrecorded_.end() ? &it->second : nullptr;
+}
+
+bool Attempt::may_have_effects() const noexcept {
+  return called_ || !progress_.steps.empty() || progress_.pending.has_value();
+}
+
+void Attempt::store_failed(std::string_view step) const {
+  if (!may_have_effects()) throw;
+  const auto it = unrecorded_.find(step);
+  std::throw_with_nested(OutcomeUnknownError(
+      std::string(step),
+      it != unrecorded_.end() ? std::optional<std::string>(it->second) : std::nullopt));
+}
+
+void Attempt::lease_lost(std::string_view step, std::string_view why) const {
+  detail::bump(core_.counters.lease_lost);
+  const std::string what = fmt::format("step '{}': {}", step, why);
+  core_.log(LogLevel::error, "lease_lost", short_hash(id_), id_.operation, token_, what);
+  throw LeaseLostError(token_, what);
+}
+
 std::string Attempt::derived_key(std::string_view step) const {
   return idem::derived_key(id_, progress_.origin, step);
 }
@@ -42,12 +67,14 @@ void Attempt::check_step(std::string_view step) const {
 std::string Attempt::record(StepCommit& commit) {
   const std::string_view step = commit.result.step;
   const bool reconciled = commit.result.reconciled;
-  if (!core_.store->commit_step(id_, token_, progress_.origin, commit)) {
-    detail::bump(core_.counters.lease_lost);
-    core_.log(LogLevel::error, "lease_lost", short_hash(id_), id_.operation, token_,
-              fmt::format("step '{}' refused: the lease was taken over", step));
-    throw LeaseLostError(token_);
+  bool committed = false;
+  try {
+    committed = core_.store->commit_step(id_, token_, progress_.origin, commit);
+  } catch (const StoreError&) {
+    store_failed(step);
   }
+  if (!committed) lease_lost(step, "not recorded: the lease was taken over");
+  unrecorded_.erase(commit.result.step);
   detail::bump(core_.counters.steps_recorded);
   if (reconciled) detail::bump(core_.counters.reconciled);
   core_.log(
@@ -78,18 +105,39 @@ Attempt::Plan Attempt::begin_external(std::string_view step) {
 }
 
 void Attempt::begin_call(std::string_view step) {
+  check_step(step);
   const std::string name(step);
-  if (!core_.store->mark_pending(id_, token_, progress_.origin, name)) {
-    detail::bump(core_.counters.lease_lost);
-    core_.log(LogLevel::error, "lease_lost", short_hash(id_), id_.operation, token_,
-              fmt::format("step '{}' not started: the lease was taken over", step));
-    throw LeaseLostError(token_);
+  // The lease must still have the call margin left when the call starts. The store checks it
+  // on its clock as it marks the step (and renews the lease); the attempt checks it again on
+  // its own, counting the renewed lease from before the mark was sent: a mark that comes back
+  // late (or an owner paused after it) does not call out either.
+  const std::chrono::milliseconds margin = core_.call_margin_for(id_.operation);
+  const TimePoint sent = core_.now();
+  const LeaseCheck lease{sent, sent + margin, sent + core_.options.lease};
+  bool marked = false;
+  try {
+    marked = core_.store->mark_pending(id_, token_, progress_.origin, name, lease);
+  } catch (const StoreError&) {
+    store_failed(step);
+  }
+  if (!marked) {
+    lease_lost(step, fmt::format("not called: the lease was taken over, or had less than the "
+                                 "call margin ({} ms) left",
+                                 margin.count()));
   }
   progress_.pending = name;
+  const TimePoint now = core_.now();
+  if (now + margin >= lease.renew_to) {
+    lease_lost(step, fmt::format("not called: the pending mark came back {} ms after it was "
+                                 "sent, with less than the call margin ({} ms) of the lease left",
+                                 (now - sent).count(), margin.count()));
+  }
+  called_ = true;
 }
 
 std::string Attempt::finish_external(std::string_view step, std::string result, bool reconciled) {
   check_step(step);
+  if (!reconciled) unrecorded_[std::string(step)] = result;
   StepCommit commit{StepResult{std::string(step), std::move(result), reconciled}, core_.now(), {}};
   return record(commit);
 }
@@ -105,7 +153,8 @@ std::string Attempt::external(std::string_view step, const ExternalCall& call,
         if (std::optional<std::string> found = lookup(plan.key))
           return finish_external(step, std::move(*found), true);
       }
-      break;  // never happened downstream (or no way to ask): call, pending already noted
+      begin_call(step);  // never happened downstream (or no way to ask): call, as a first call
+      break;
     case Plan::Kind::call:
       break;
   }
@@ -119,7 +168,7 @@ Attempt AttemptAccess::begin(detail::CoordinatorCore& core, const KeyId& id, std
     detail::bump(core.counters.lease_lost);
     core.log(LogLevel::error, "lease_lost", short_hash(id), id.operation, token,
              "begin_steps refused: the lease was taken over");
-    throw LeaseLostError(token);
+    throw LeaseLostError(token, "the operation could not begin: the lease was taken over");
   }
   if (!progress->steps.empty() || progress->pending) {
     detail::bump(core.counters.resumed);

@@ -48,7 +48,8 @@ void Store::apply(std::span<StoreOp* const> ops) {
 std::optional<Progress> Store::begin_steps(const KeyId&, std::int64_t, const std::string&) {
   no_steps();
 }
-bool Store::mark_pending(const KeyId&, std::int64_t, std::int64_t, const std::string&) {
+bool Store::mark_pending(const KeyId&, std::int64_t, std::int64_t, const std::string&,
+                         const LeaseCheck&) {
   no_steps();
 }
 bool Store::commit_step(const KeyId&, std::int64_t, std::int64_t, const StepCommit&) { no_steps(); }

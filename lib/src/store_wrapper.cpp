@@ -55,8 +55,8 @@ std::optional<Progress> StoreWrapper::begin_steps(const KeyId& id, std::int64_t 
 }
 
 bool StoreWrapper::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                                const std::string& step) {
-  return target_->mark_pending(id, token, origin, step);
+                                const std::string& step, const LeaseCheck& lease) {
+  return target_->mark_pending(id, token, origin, step, lease);
 }
 
 bool StoreWrapper::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,

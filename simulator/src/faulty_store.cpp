@@ -119,9 +119,9 @@ std::optional<Progress> FaultyStore::begin_steps(const KeyId& id, std::int64_t t
 }
 
 bool FaultyStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                               const std::string& step) {
+                               const std::string& step, const LeaseCheck& lease) {
   fail_if(Operation::steps);
-  return StoreWrapper::mark_pending(id, token, origin, step);
+  return StoreWrapper::mark_pending(id, token, origin, step, lease);
 }
 
 bool FaultyStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,

@@ -411,7 +411,7 @@ class Recorder final : public StoreWrapper {
   bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
   bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                    const std::string& step) override;
+                    const std::string& step, const LeaseCheck& lease) override;
   bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                    const StepCommit& step) override;
   std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
@@ -1166,8 +1166,8 @@ bool Recorder::set_recovery_point(const KeyId& id, std::int64_t token, const std
 }
 
 bool Recorder::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                            const std::string& step) {
-  if (!StoreWrapper::mark_pending(id, token, origin, step)) return false;
+                            const std::string& step, const LeaseCheck& lease) {
+  if (!StoreWrapper::mark_pending(id, token, origin, step, lease)) return false;
   applied_under(id, token, fmt::format("step '{}' marked pending", step));
   return true;
 }

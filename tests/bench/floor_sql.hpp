@@ -17,8 +17,8 @@ inline constexpr std::string_view kCheckpointTruncate = "PRAGMA wal_checkpoint(T
 
 // idem's reservation, completion and load (lib/src/sql.hpp), verbatim.
 inline constexpr std::string_view kReserve = R"sql(
-INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at)
-VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?6)
+INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_until, created_at, expires_at, claim)
+VALUES (?1, ?2, ?3, ?4, 1, ?5, ?6, ?7, ?6, ?8)
 ON CONFLICT (tenant, operation, key) DO NOTHING)sql";
 
 inline constexpr std::string_view kComplete = R"sql(
@@ -28,7 +28,7 @@ WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)s
 
 inline constexpr std::string_view kLoad = R"sql(
 SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
-       body_ref, recovery_point
+       body_ref, recovery_point, claim
 FROM idem_keys WHERE tenant = ?1 AND operation = ?2 AND key = ?3)sql";
 
 // The design a user would write from seed 000's SQL without idem: a minimal table (no expiry
@@ -72,9 +72,10 @@ VALUES ('alpha', 'payment.charge', ?1, ?2, 2, 1, 0, 0, ?3, 200, ?4))sql";
 // idem's reservation, completion and load on PostgreSQL (lib/src/pg_sql.hpp), verbatim, run
 // through libpq one statement per round trip, each its own autocommit transaction. `{s}`
 // stands for the schema (a quoted identifier), as in pg_sql.hpp.
-// $4 fingerprint $5 now $6 lease_until; returns o_kind (0: reserved) and o_token.
+// $4 fingerprint $5 now (NULL: the database's clock) $6 the lease in ms $7 claim (or NULL);
+// returns o_kind (0: reserved) and o_token.
 inline constexpr std::string_view kPgReserve =
-    "SELECT * FROM {s}.idem_reserve($1, $2, $3, $4::bytea, $5::bigint, $6::bigint)";
+    "SELECT * FROM {s}.idem_reserve($1, $2, $3, $4::bytea, $5::bigint, $6::bigint, $7::bigint)";
 
 // $4 token $5 status $6 headers $7 body $8 body_ref $9 expires_at
 inline constexpr std::string_view kPgComplete = R"sql(
@@ -85,7 +86,7 @@ WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND sta
 
 inline constexpr std::string_view kPgLoad = R"sql(
 SELECT fingerprint, state, token, lease_until, created_at, expires_at, status, headers, body,
-       body_ref, recovery_point
+       body_ref, recovery_point, claim
 FROM {s}.idem_keys WHERE tenant = $1 AND operation = $2 AND key = $3)sql";
 
 // Every scenario starts on an empty schema, which PgStore then makes again.

@@ -135,14 +135,15 @@ class Floor {
     conn_.prepare("load", with_schema(sql::kPgLoad, s));
   }
 
+  // The reservation on the database's clock (no `now`: the server's), as PgStore's default.
   void call(const std::string& key, const std::string& body, std::int64_t now) {
-    const std::string at = std::to_string(now), lease = std::to_string(now + 30000);
+    const std::string lease = "30000";
     const char* fp = reinterpret_cast<const char*>(kFp.bytes().data());
     const char* reserve[] = {kTenant.c_str(), kOperation.c_str(), key.c_str(), fp,
-                             at.c_str(),      lease.c_str()};
-    const int reserve_lengths[] = {0, 0, 0, static_cast<int>(kFp.bytes().size()), 0, 0};
-    const int reserve_formats[] = {0, 0, 0, 1, 0, 0};
-    Result r = conn_.run("reserve", 6, reserve, reserve_lengths, reserve_formats);
+                             nullptr,         lease.c_str(),      nullptr};
+    const int reserve_lengths[] = {0, 0, 0, static_cast<int>(kFp.bytes().size()), 0, 0, 0};
+    const int reserve_formats[] = {0, 0, 0, 1, 0, 0, 0};
+    Result r = conn_.run("reserve", 7, reserve, reserve_lengths, reserve_formats);
     if (PQntuples(r.get()) != 1 || std::string_view(PQgetvalue(r.get(), 0, 0)) != "0")
       fail("the floor's reservation met an existing key: " + key);
     const std::string token = PQgetvalue(r.get(), 0, 1);

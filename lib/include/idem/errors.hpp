@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -38,15 +39,27 @@ enum class errc {
   in_progress,
 
   // This caller's lease was taken over (its fencing token is no longer current): its
-  // action ran, but its result was not stored and the new owner's record stands. The
-  // event is logged and counted. Do not retry the action: ask the key again, which
-  // replays the new owner's result. HTTP 409 (or 500 for an internal caller).
+  // action ran, but its result was not stored and the new owner's record stands. Or, before
+  // an external call, the lease had ended or had less than Options::call_margin left (a reply
+  // that came late, an owner that was paused): then nothing was called, and the key was
+  // released if this caller still held it. The event is logged and counted. Do not run the
+  // action outside idem: ask the key again, which replays the new owner's result or runs it
+  // afresh. HTTP 409 (or 500 for an internal caller).
   lease_lost,
 
   // The store could not be used: SQLITE_BUSY after busy_timeout, an I/O error, a full
   // disk, a database that cannot be opened. Under FailureMode::fail_closed the action did
   // not run. Retry with backoff (abseil kUnavailable). HTTP 503.
   store_unavailable,
+
+  // A multi-step operation stopped after an effect may have happened: an external step was
+  // called and its result could not be recorded, or the store failed after a step had been
+  // recorded or begun (by this attempt or an earlier one). Nothing is lost: the progress stays
+  // on the key and a retry with the same key resumes it, looking an unrecorded call up by its
+  // derived key before calling again. Retry with the same key (abseil kUnavailable), never
+  // with a new one: a new key would do it all again. HTTP 503. OutcomeUnknownError says which
+  // step and, when known, what it returned.
+  outcome_unknown,
 };
 
 // A short, stable name for an errc ("key_reuse"), for logs and error bodies.
@@ -98,14 +111,30 @@ class InProgressError : public error {
   std::chrono::milliseconds retry_after_;
 };
 
-// errc::lease_lost. token() is the stale fencing token this caller held.
+// errc::lease_lost. token() is the fencing token this caller held.
 class LeaseLostError : public error {
  public:
   explicit LeaseLostError(std::int64_t token);
+  // With what happened in `why` ("the reservation came back too late: nothing was called").
+  LeaseLostError(std::int64_t token, std::string_view why);
   std::int64_t token() const noexcept { return token_; }
 
  private:
   std::int64_t token_;
+};
+
+// errc::outcome_unknown. step() is the step the operation stopped in; result() is what that
+// step's external call returned when the call came back and its recording failed (a charge id),
+// else nullopt. The store's error that stopped it is nested (std::rethrow_if_nested).
+class OutcomeUnknownError : public error {
+ public:
+  OutcomeUnknownError(std::string step, std::optional<std::string> result);
+  const std::string& step() const noexcept { return step_; }
+  const std::optional<std::string>& result() const noexcept { return result_; }
+
+ private:
+  std::string step_;
+  std::optional<std::string> result_;
 };
 
 // errc::store_unavailable. sqlite_code() is SQLite's extended result code (0 when the

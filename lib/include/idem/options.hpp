@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -84,6 +85,19 @@ struct Options {
   // While the action runs, renew the lease this often (0: never). Must be shorter than
   // the lease. Default: 10 s.
   std::chrono::milliseconds heartbeat{std::chrono::seconds(10)};
+
+  // The least lease an owner must have left to start an external call: a single-step call's
+  // action, or an external step (Attempt::external). Set it to the time the call needs to reach
+  // the downstream system and take effect there. The store confirms it, on its own clock, in
+  // the write that marks an external step pending (which also renews the lease); and the owner
+  // checks it against the time it sent that write (or the reservation, for a single-step call),
+  // so a reply that comes late, or an owner that was paused, never calls out on a lease that
+  // ended meanwhile: it gets LeaseLostError and nothing is called. Must be shorter than the
+  // lease. nullopt: 1 s, or a quarter of the lease if that is shorter.
+  std::optional<std::chrono::milliseconds> call_margin{};
+
+  // Per-operation call_margin overrides, same rules. Default: none.
+  std::map<std::string, std::chrono::milliseconds, std::less<>> call_margin_by_operation{};
 
   // How long a completed record is replayed. At least one minute. Default: 24 h.
   std::chrono::milliseconds ttl{std::chrono::hours(24)};

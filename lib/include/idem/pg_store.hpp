@@ -117,7 +117,7 @@ class PgStore final : public BatchedStore {
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                    const std::string& step) override;
+                    const std::string& step, const LeaseCheck& lease) override;
   // Local steps run their statements (PostgreSQL's dialect, parameters $1..$N, search_path
   // the store's schema then public, so the application's tables may live beside idem's) on
   // this store's connection inside its transaction; they must not begin, commit or roll back

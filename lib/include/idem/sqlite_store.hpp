@@ -74,7 +74,7 @@ class SqliteStore final : public BatchedStore {
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                    const std::string& step) override;
+                    const std::string& step, const LeaseCheck& lease) override;
   // Local steps run their statements on this store's connection inside its transaction;
   // they must not begin, commit or roll back transactions of their own.
   bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,

@@ -47,11 +47,17 @@ class CoordinatorCore;
 //
 // Every step method throws:
 //   LeaseLostError - this attempt's lease was taken over: a zombie's step neither runs its
-//                    local work to commit nor advances the recovery point. Do not retry.
-//   StoreError     - the store failed; nothing of the step was recorded (a local step's
-//                    work rolled back). The action may answer with what it knows (a charge
-//                    id) and fail: the key is released with its progress and a retry
-//                    resumes.
+//                    local work to commit nor advances the recovery point. Or, before an
+//                    external call, the lease had ended or had less than the call margin left
+//                    (Options::call_margin): the call is not made. Do not retry the step.
+//   OutcomeUnknownError - the store failed after an effect may have happened: an external
+//                    call returned and its result could not be recorded (result() holds it),
+//                    or a step had been recorded or begun already (may_have_effects()). Nothing
+//                    of this step was recorded (a local step's work rolled back). Answer "retry
+//                    with the same key, never a new one": the key is released with its
+//                    progress and a retry resumes, looking an unrecorded call up first.
+//   StoreError     - the store failed before anything of the operation took effect; nothing
+//                    was recorded. A retry with the same key (or a new one) is safe.
 //   idem::error(errc::invalid_argument) - an empty step name, or a result that is not
 //                    UTF-8 text.
 // and whatever the application's own function threw (the step is not recorded).
@@ -73,6 +79,14 @@ class Attempt {
   const std::vector<StepResult>& steps() const noexcept { return progress_.steps; }
   // The stored result of `step`, or nullptr if it has not been recorded.
   const std::string* result(std::string_view step) const noexcept;
+  // result(), or else what `step`'s external call returned in this attempt when recording it
+  // failed (the effect happened; the store does not know yet): what an answer after a failure
+  // can tell the client (a charge id). nullptr when neither is known.
+  const std::string* known_result(std::string_view step) const noexcept;
+  // Whether an effect of this operation may have happened: a step was recorded, or an external
+  // step was begun (marked pending), by this attempt or an earlier one. A failure from then on
+  // must never be answered as "nothing happened": the client retries with the same key.
+  bool may_have_effects() const noexcept;
   // The key for a downstream call of `step` (idem::derived_key with the origin): the same on
   // every attempt and in every process, different per step, never the client's key.
   std::string derived_key(std::string_view step) const;
@@ -84,21 +98,28 @@ class Attempt {
   using LocalWork = std::function<std::string(LocalTransaction&)>;
   std::string local(std::string_view step, const LocalWork& work);
 
-  // An external step: `call` runs with derived_key(step) and its result is recorded. The
-  // step is marked pending in the store before `call` runs; if an attempt ends while it is
-  // pending (a timeout, a crash), the outcome is unknown, and the next attempt first asks
+  // An external step: `call` runs with derived_key(step) and its result is recorded. Right
+  // before `call` runs, the step is marked pending in the store, in a write that also confirms,
+  // on the store's clock, that this attempt's token is current and its lease still has the call
+  // margin left (and renews the lease); and the attempt checks that margin again against the
+  // time it sent that write. So an owner that was paused, or whose write came back late, never
+  // calls out on a lease that may have passed to another owner: LeaseLostError, nothing called.
+  // (A pause during the call itself, after the check, is not seen: only a downstream system
+  // that deduplicates on the derived key closes that window.) If an attempt ends while the step
+  // is pending (a timeout, a crash), the outcome is unknown, and the next attempt first asks
   // `lookup` with the same key: a result found there is recorded (reconciled, counted as
   // MetricsSnapshot::reconciled) and `call` does not run again; nullopt means the downstream
-  // system never saw it, and `call` runs. Without a lookup the call runs again with the same
-  // derived key, for a downstream system that deduplicates on it.
+  // system never saw it, and `call` runs (after the same mark and check). Without a lookup the
+  // call runs again with the same derived key, for a downstream system that deduplicates on it.
   using ExternalCall = std::function<std::string(const std::string& derived_key)>;
   using Lookup = std::function<std::optional<std::string>(const std::string& derived_key)>;
   std::string external(std::string_view step, const ExternalCall& call, const Lookup& lookup = {});
 
-  // external() in two halves, for drivers that wait their own way (idem/asio.hpp's
+  // external() in parts, for drivers that wait their own way (idem/asio.hpp's
   // async_external). begin_external says what to do: return `result` (done), look up `key`
   // first (look_up: then finish_external with reconciled = true, or, if nothing was found,
-  // call with `key`), or call with `key` (call: the step is now marked pending).
+  // begin_call and call with `key`), or call with `key` (call: the step is now marked pending
+  // and the lease confirmed).
   struct Plan {
     enum class Kind { done, look_up, call };
     Kind kind = Kind::call;
@@ -106,6 +127,10 @@ class Attempt {
     std::string key;     // look_up, call
   };
   Plan begin_external(std::string_view step);
+  // Marks `step` pending and confirms the lease, as begin_external does before Plan::call:
+  // call it right before the external call when a look-up found nothing. Throws what every step
+  // method throws; after LeaseLostError, do not call.
+  void begin_call(std::string_view step);
   // Records the external step's result.
   std::string finish_external(std::string_view step, std::string result, bool reconciled);
 
@@ -115,13 +140,19 @@ class Attempt {
   // Commits the step (Store::commit_step) and keeps its result; LeaseLostError if refused.
   std::string record(StepCommit& commit);
   void check_step(std::string_view step) const;
-  void begin_call(std::string_view step);  // Store::mark_pending, or LeaseLostError
+  // Rethrows the StoreError being handled as OutcomeUnknownError (nesting it) once an effect
+  // may have happened in step `step`; else as it is.
+  [[noreturn]] void store_failed(std::string_view step) const;
+  [[noreturn]] void lease_lost(std::string_view step, std::string_view why) const;
 
   detail::CoordinatorCore& core_;
   KeyId id_;
   std::int64_t token_;
   Progress progress_;
   bool resumed_;
+  bool called_ = false;  // this attempt began an external step
+  // What external calls returned in this attempt whose recording failed, by step.
+  std::map<std::string, std::string, std::less<>> unrecorded_;
 };
 
 // --- The completer ---------------------------------------------------------------------

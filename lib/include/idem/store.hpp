@@ -41,7 +41,10 @@ struct Record {
                            // progress, the TTL's end once completed, the release time
   Response response;       // completed only
   std::string body_ref;    // completed only: non-empty when the body is stored elsewhere
-  std::optional<std::string> recovery_point;  // last finished step (SPEC §7)
+  std::optional<std::string> recovery_point;  // last finished step of a multi-step operation
+  // in_progress: the number the reservation's writer chose (StoreOp::claim), so a writer whose
+  // reply was lost can tell its own reservation from another's; 0 when none was given.
+  std::int64_t claim = 0;
 
   // Whether the record still counts at `now`: an in_progress record within its lease, a
   // completed record within its TTL. A record that does not count is as good as absent.
@@ -129,6 +132,18 @@ class LocalTransaction {
   virtual std::string enqueue(std::string_view topic, std::string_view payload) = 0;
 };
 
+// What a write that starts an external call (Store::mark_pending) confirms about the caller's
+// lease, on the caller's clock: the caller read `now` just before sending it; the lease must
+// still run at `needed` (now plus the time the call needs), and it is extended to `renew_to`
+// (now plus a whole lease) if it ends sooner. A store that keeps its own clock (PgStore under
+// PgClock::database) puts `now` at its clock's reading when the write commits and keeps the
+// distances, so a write that arrives late is judged by when it arrived.
+struct LeaseCheck {
+  TimePoint now{};
+  TimePoint needed{};
+  TimePoint renew_to{};
+};
+
 // One step to record (Store::commit_step).
 struct StepCommit {
   StepResult result;
@@ -164,6 +179,11 @@ struct AbandonedOperation {
 // One write for Store::apply: the inputs of reserve(), complete(), release() or
 // store_if_absent(), and room for the result. The pointers belong to the caller and must
 // stay valid until apply() has returned.
+//
+// Times are on the caller's clock, read when the caller made the op. A store that keeps its own
+// clock (PgStore under PgClock::database) judges a reservation at its clock's reading when the
+// write commits: the record's lease runs for `lease_until - now` from then, and its liveness is
+// judged then, so a write that arrives late never makes a lease that has already ended.
 struct StoreOp {
   enum class Kind { reserve, complete, release, store_if_absent };
   Kind kind = Kind::reserve;
@@ -176,6 +196,7 @@ struct StoreOp {
                                              // retry until the TTL from its origin)
   std::int64_t token = 0;                    // complete, release
   const StoredResponse* response = nullptr;  // complete, store_if_absent
+  std::int64_t claim = 0;  // reserve: kept on the record (Record::claim); any number, 0 for none
 
   // Results. reserve: `reservation`. complete and release: `applied` (false: the token was
   // not current). store_if_absent: `reservation`, Kind::existing with the live record that
@@ -284,10 +305,12 @@ class Store {
   virtual std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                               const std::string& request);
   // Notes that the external step `step` is about to be called (Progress::pending; the
-  // progress starts with `origin` if there was none), only if `token` is current. Returns
-  // false, changing nothing, if it is not.
+  // progress starts with `origin` if there was none), only if `token` is current and the
+  // record's lease, on the store's clock, still runs at `lease.needed`; extends the lease to
+  // `lease.renew_to` if it ends sooner. Returns false, changing nothing, otherwise: the caller
+  // must not call out (its lease ended, or is about to, or was taken over).
   virtual bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                            const std::string& step);
+                            const std::string& step, const LeaseCheck& lease);
   // In one transaction: checks `token` is current, runs step.local, appends step.result to
   // the progress (started with `origin` if there was none), makes it the recovery point and
   // clears `pending` if it named this step. Returns false, changing nothing and running

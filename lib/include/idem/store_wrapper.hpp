@@ -41,7 +41,7 @@ class StoreWrapper : public Store {
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                    const std::string& step) override;
+                    const std::string& step, const LeaseCheck& lease) override;
   bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                    const StepCommit& step) override;
   std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now, std::size_t limit,
