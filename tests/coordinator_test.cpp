@@ -410,6 +410,54 @@ TEST_CASE(
   CHECK(w.charges() == 2);
 }
 
+TEST_CASE(
+    "coordinator: a reservation whose reply was lost is looked up, found committed, and the call "
+    "goes on with one charge") {
+  World w = blocking_world({.in_flight = InFlight::raise, .lease = 30s, .heartbeat = 0ms});
+  w.faulty->lose_replies(idem::sim::Operation::reserve);
+  const Outcome out = w.idem->call(request("k1"), [&] {
+    w.faulty->lose_replies(idem::sim::Operation::reserve, false);
+    return w.charge_action(0ms)();
+  });
+  CHECK(out.source == Outcome::Source::executed);
+  CHECK(w.charges() == 1);
+  CHECK(w.idem->call(request("k1"), w.charge_action(0ms)).replayed());
+  CHECK(w.charges() == 1);
+}
+
+TEST_CASE(
+    "coordinator: a lost reservation that could not be looked at is released by this "
+    "coordinator, not held for its lease") {
+  const idem::Options o{.in_flight = InFlight::raise,
+                        .lease = 30s,
+                        .heartbeat = 0ms,
+                        .on_store_failure = idem::FailureMode::fail_closed};
+  World w = blocking_world(o);
+  w.faulty->lose_replies(idem::sim::Operation::reserve);
+  w.faulty->fail(idem::sim::Operation::load);
+  CHECK_THROWS_AS(w.idem->call(request("k1"), w.charge_action(0ms)), idem::StoreError);
+  w.faulty->lose_replies(idem::sim::Operation::reserve, false);
+  w.faulty->fail(idem::sim::Operation::load, false);
+  CHECK(w.charges() == 0);
+  // The reservation committed and nobody runs it: another node sees the key held.
+  idem::Options other_options = o;
+  other_options.clock = w.clock;
+  idem::Coordinator other(w.faulty, other_options);
+  CHECK_THROWS_AS(other.call(request("k1"), w.charge_action(0ms)), idem::InProgressError);
+  SUBCASE("the next call of this coordinator with the key releases it and runs") {
+    CHECK(w.idem->call(request("k1"), w.charge_action(0ms)).source == Outcome::Source::executed);
+    CHECK(w.charges() == 1);
+    CHECK(w.idem->release_lost_reservations() == 0);
+  }
+  SUBCASE("release_lost_reservations frees it for every node") {
+    CHECK(w.idem->release_lost_reservations() == 1);
+    CHECK(w.idem->metrics().released == 1);
+    CHECK(other.call(request("k1"), w.charge_action(0ms)).source == Outcome::Source::executed);
+    CHECK(w.charges() == 1);
+    CHECK(w.idem->release_lost_reservations() == 0);
+  }
+}
+
 TEST_CASE("coordinator: heartbeats keep a slow honest action from being taken over") {
   SUBCASE("with heartbeat: the duplicate at 2 s sees the key in progress") {
     World w = blocking_world({.in_flight = InFlight::raise, .lease = 1s, .heartbeat = 300ms});

@@ -161,6 +161,7 @@ Answer collect(PGconn* c, Millis timeout) {
   }
 }
 
+// Whether a result is a success (rows or a command's completion).
 bool succeeded(const Result& r) {
   return r.status == PGRES_TUPLES_OK || r.status == PGRES_COMMAND_OK;
 }

@@ -423,6 +423,45 @@ TEST_CASE(
   CHECK(shop.orders() == 1);
 }
 
+TEST_CASE(
+    "steps: a pending mark whose reply was lost is not called; the retry looks the step up "
+    "first and charges once") {
+  Shop shop;
+  const demo::CheckoutRequest order = shop.order();
+  shop.world.faulty->lose_replies(sim::Operation::mark_pending);
+  CHECK_THROWS_AS(shop.checkout("k1", order), StoreError);  // nothing recorded yet: no effect
+  shop.world.faulty->lose_replies(sim::Operation::mark_pending, false);
+  CHECK(shop.debits() == 0);
+  CHECK(shop.checkout("k1", order).response.status == 200);
+  CHECK(shop.metrics().resumed == 1);  // the mark had committed: the retry found it pending
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+}
+
+TEST_CASE(
+    "steps: the debit's record whose reply was lost answers outcome unknown with the charge id, "
+    "and the retry ends with one debit") {
+  Shop shop;
+  const demo::CheckoutRequest order = shop.order();
+  try {
+    shop.checkout("k1", order, [&](std::string_view at) {
+      // The charge came back; the commit that records it reaches the store, its reply is lost.
+      if (at == "debited: charged, not recorded")
+        shop.world.faulty->lose_replies(sim::Operation::steps);
+    });
+    FAIL("the checkout did not fail");
+  } catch (const OutcomeUnknownError& e) {
+    CHECK(e.step() == "debited");
+    CHECK(e.result() == std::optional<std::string>("ch_1"));
+    CHECK(std::string(e.what()).find("never with a new one") != std::string::npos);
+  }
+  shop.world.faulty->lose_replies(sim::Operation::steps, false);
+  CHECK(shop.debits() == 1);
+  CHECK(shop.checkout("k1", order).response.status == 200);
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+}
+
 TEST_CASE("steps: a store failure after the debit keeps the key and the retry resumes") {
   // Never "nothing happened" after money moved: the order step cannot be recorded (disk
   // full), the attempt fails with what it knows, and the retry finishes it with one charge.

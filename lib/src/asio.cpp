@@ -436,6 +436,9 @@ struct Maintenance::Impl {
   void reap(MaintenanceReport& r) {
     guarded("reap", r, [&] { r.reaped += coordinator.reap(options.batch).size(); });
   }
+  void release_lost(MaintenanceReport& r) {
+    guarded("release_lost", r, [&] { r.lost_released += coordinator.release_lost_reservations(); });
+  }
   void dispatch(MaintenanceReport& r) {
     if (!dispatcher) return;
     guarded("outbox", r, [&] {
@@ -451,6 +454,7 @@ struct Maintenance::Impl {
     totals.purged += r.purged;
     totals.reaped += r.reaped;
     totals.outbox_purged += r.outbox_purged;
+    totals.lost_released += r.lost_released;
     totals.completer.found += r.completer.found;
     totals.completer.finished += r.completer.finished;
     totals.completer.failed += r.completer.failed;
@@ -478,6 +482,7 @@ struct Maintenance::Impl {
       MaintenanceReport report;
       TimePoint now = clock.now();
       if (now >= next_dispatch) {
+        d->release_lost(report);
         d->dispatch(report);
         next_dispatch = clock.now() + o.dispatch_every;
       }
@@ -534,6 +539,7 @@ void Maintenance::deliver(Delivery delivery) {
 net::awaitable<MaintenanceReport> Maintenance::run_once() {
   Impl& d = *impl_;
   MaintenanceReport report;
+  d.release_lost(report);
   d.dispatch(report);
   d.purge(report);
   d.reap(report);

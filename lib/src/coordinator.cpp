@@ -327,6 +327,42 @@ std::vector<ReapedRecord> Coordinator::reap(std::size_t batch) {
   }
 }
 
+std::size_t Coordinator::release_lost_reservations() {
+  detail::CoordinatorCore& core = *core_;
+  if (core.lost.empty()) return 0;
+  std::size_t released = 0;
+  for (const auto& [claim, id] : core.lost.all()) {
+    const detail::Loaded found = detail::read_record(*core.store, id);
+    if (found.error) {
+      detail::bump(core.counters.store_errors);
+      continue;  // the store still fails: next time
+    }
+    const Record* r = found.record ? &*found.record : nullptr;
+    if (r == nullptr || r->state != State::in_progress || r->claim != claim) {
+      core.lost.take(claim);  // it never committed, or has ended or passed to another since
+      continue;
+    }
+    const TimePoint now = core.now();
+    StoreOp op{.kind = StoreOp::Kind::release,
+               .id = &id,
+               .now = now,
+               .expires_at = now + core.ttl_for(id.operation),
+               .token = r->token};
+    core.commits.commit(op);
+    if (op.error) {
+      detail::bump(core.counters.store_errors);
+      continue;
+    }
+    core.lost.take(claim);
+    if (!op.applied) continue;
+    ++released;
+    detail::bump(core.counters.released);
+    core.log(LogLevel::warning, "released_lost", short_hash(id), id.operation, r->token,
+             "released a reservation of this coordinator whose reply was lost: nobody ran it");
+  }
+  return released;
+}
+
 std::chrono::milliseconds Coordinator::ttl_for(std::string_view operation) const {
   return core_->ttl_for(operation);
 }

@@ -155,6 +155,7 @@ Effect Flow::after_free() {
     store_error_ = op_.error;
     return on({Found::Kind::store_failed}, nullptr, core_.now());
   }
+  if (op_.applied) bump(core_.counters.released);
   // Released, or taken by another call meanwhile (the reservation finds out which).
   return act(Decision::reserve, nullptr, core_.now());
 }

@@ -32,6 +32,7 @@ int code_of(Operation op) {
     case Operation::complete:
     case Operation::store_if_absent:
     case Operation::steps:
+    case Operation::mark_pending:
       return SQLITE_FULL;
     default:
       return SQLITE_IOERR_WRITE;
@@ -52,50 +53,63 @@ bool FaultyStore::failing(Operation op) const noexcept { return (failing_.load()
 
 void FaultyStore::set_unreachable(bool down) noexcept { failing_ = down ? ~0u : 0u; }
 
+void FaultyStore::lose_replies(Operation op, bool on) noexcept {
+  if (on) {
+    losing_.fetch_or(bit(op));
+  } else {
+    losing_.fetch_and(~bit(op));
+  }
+}
+
+bool FaultyStore::losing(Operation op) const noexcept { return (losing_.load() & bit(op)) != 0; }
+
 void FaultyStore::fail_if(Operation op) const {
   if (failing(op)) {
     throw StoreError("simulated outage: the store is unreachable (disk I/O error)", code_of(op));
   }
 }
 
+StoreError FaultyStore::lost_reply() {
+  return StoreError(
+      "simulated lost reply: the write reached the store, and its answer never came back "
+      "(the connection broke)",
+      0);
+}
+
 Reservation FaultyStore::reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
                                  TimePoint lease) {
-  fail_if(Operation::reserve);
-  return StoreWrapper::reserve(id, fp, now, lease);
+  return through(Operation::reserve, [&] { return StoreWrapper::reserve(id, fp, now, lease); });
 }
 
 bool FaultyStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
                            TimePoint expires) {
-  fail_if(Operation::complete);
-  return StoreWrapper::complete(id, token, r, expires);
+  return through(Operation::complete,
+                 [&] { return StoreWrapper::complete(id, token, r, expires); });
 }
 
 bool FaultyStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
-  fail_if(Operation::release);
-  return StoreWrapper::release(id, token, now);
+  return through(Operation::release, [&] { return StoreWrapper::release(id, token, now); });
 }
 
 bool FaultyStore::renew(const KeyId& id, std::int64_t token, TimePoint lease) {
-  fail_if(Operation::renew);
-  return StoreWrapper::renew(id, token, lease);
+  return through(Operation::renew, [&] { return StoreWrapper::renew(id, token, lease); });
 }
 
 bool FaultyStore::set_recovery_point(const KeyId& id, std::int64_t token,
                                      const std::string& point) {
-  fail_if(Operation::set_recovery_point);
-  return StoreWrapper::set_recovery_point(id, token, point);
+  return through(Operation::set_recovery_point,
+                 [&] { return StoreWrapper::set_recovery_point(id, token, point); });
 }
 
 std::optional<Record> FaultyStore::load(const KeyId& id) {
-  fail_if(Operation::load);
-  return StoreWrapper::load(id);
+  return through(Operation::load, [&] { return StoreWrapper::load(id); });
 }
 
 std::optional<Record> FaultyStore::store_if_absent(const KeyId& id, const Fingerprint& fp,
                                                    const StoredResponse& r, TimePoint now,
                                                    TimePoint expires) {
-  fail_if(Operation::store_if_absent);
-  return StoreWrapper::store_if_absent(id, fp, r, now, expires);
+  return through(Operation::store_if_absent,
+                 [&] { return StoreWrapper::store_if_absent(id, fp, r, now, expires); });
 }
 
 void FaultyStore::apply(std::span<StoreOp* const> ops) {
@@ -109,69 +123,73 @@ void FaultyStore::apply(std::span<StoreOp* const> ops) {
       op->error = std::current_exception();
     }
   }
-  if (!healthy.empty()) StoreWrapper::apply(healthy);
+  if (healthy.empty()) return;
+  StoreWrapper::apply(healthy);
+  for (StoreOp* op : healthy) {
+    if (op->error || !losing(operation_of(op->kind))) continue;
+    op->reservation = {};
+    op->applied = false;
+    op->error = std::make_exception_ptr(lost_reply());
+  }
 }
 
 std::optional<Progress> FaultyStore::begin_steps(const KeyId& id, std::int64_t token,
                                                  const std::string& request) {
-  fail_if(Operation::steps);
-  return StoreWrapper::begin_steps(id, token, request);
+  return through(Operation::steps, [&] { return StoreWrapper::begin_steps(id, token, request); });
 }
 
 bool FaultyStore::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
                                const std::string& step, const LeaseCheck& lease) {
-  fail_if(Operation::steps);
-  return StoreWrapper::mark_pending(id, token, origin, step, lease);
+  return through(Operation::mark_pending,
+                 [&] { return StoreWrapper::mark_pending(id, token, origin, step, lease); });
 }
 
 bool FaultyStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                               const StepCommit& step) {
-  fail_if(Operation::steps);
-  return StoreWrapper::commit_step(id, token, origin, step);
+  return through(Operation::steps,
+                 [&] { return StoreWrapper::commit_step(id, token, origin, step); });
 }
 
 std::vector<AbandonedOperation> FaultyStore::abandoned(TimePoint idle_before, TimePoint now,
                                                        std::size_t limit,
                                                        std::span<const std::string> operations) {
-  fail_if(Operation::steps);
-  return StoreWrapper::abandoned(idle_before, now, limit, operations);
+  return through(Operation::steps,
+                 [&] { return StoreWrapper::abandoned(idle_before, now, limit, operations); });
 }
 
 std::vector<OutboxMessage> FaultyStore::claim_outbox(TimePoint now, TimePoint claim_until,
                                                      std::size_t limit) {
-  fail_if(Operation::outbox);
-  return StoreWrapper::claim_outbox(now, claim_until, limit);
+  return through(Operation::outbox,
+                 [&] { return StoreWrapper::claim_outbox(now, claim_until, limit); });
 }
 
 bool FaultyStore::outbox_delivered(const std::string& id, TimePoint now) {
-  fail_if(Operation::outbox);
-  return StoreWrapper::outbox_delivered(id, now);
+  return through(Operation::outbox, [&] { return StoreWrapper::outbox_delivered(id, now); });
 }
 
 void FaultyStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park,
                                 const std::string& why) {
-  fail_if(Operation::outbox);
-  StoreWrapper::outbox_failed(id, retry_at, park, why);
+  through(Operation::outbox, [&] {
+    StoreWrapper::outbox_failed(id, retry_at, park, why);
+    return true;
+  });
 }
 
 OutboxCounts FaultyStore::outbox_counts() {
-  fail_if(Operation::outbox);
-  return StoreWrapper::outbox_counts();
+  return through(Operation::outbox, [&] { return StoreWrapper::outbox_counts(); });
 }
 
 std::size_t FaultyStore::purge_outbox(TimePoint delivered_before, std::size_t limit) {
-  fail_if(Operation::outbox);
-  return StoreWrapper::purge_outbox(delivered_before, limit);
+  return through(Operation::outbox,
+                 [&] { return StoreWrapper::purge_outbox(delivered_before, limit); });
 }
 
 std::size_t FaultyStore::purge_expired(TimePoint now, std::size_t limit) {
-  fail_if(Operation::purge);
-  return StoreWrapper::purge_expired(now, limit);
+  return through(Operation::purge, [&] { return StoreWrapper::purge_expired(now, limit); });
 }
 
 std::vector<ReapedRecord> FaultyStore::reap(TimePoint before, std::size_t limit) {
-  fail_if(Operation::reap);
-  return StoreWrapper::reap(before, limit);
+  return through(Operation::reap, [&] { return StoreWrapper::reap(before, limit); });
 }
 
 }  // namespace idem::sim

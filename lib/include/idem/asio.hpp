@@ -54,7 +54,7 @@ boost::asio::awaitable<std::string> async_external(Attempt& attempt, std::string
 
 struct MaintenanceOptions {
   // How often each job runs. Defaults: purge, reap and the completer every 10 s, the outbox
-  // every second.
+  // (and the release of reservations whose reply was lost) every second.
   std::chrono::milliseconds purge_every{std::chrono::seconds(10)};
   std::chrono::milliseconds reap_every{std::chrono::seconds(10)};
   std::chrono::milliseconds complete_every{std::chrono::seconds(10)};
@@ -70,6 +70,8 @@ struct MaintenanceReport {
   std::size_t purged = 0;         // expired records deleted
   std::size_t reaped = 0;         // abandoned reservations without progress cleared
   std::size_t outbox_purged = 0;  // delivered messages deleted
+  std::size_t lost_released = 0;  // reservations whose reply was lost, released
+                                  // (Coordinator::release_lost_reservations)
   CompleterReport completer{};
   DispatchReport outbox{};
   std::size_t failures = 0;  // jobs that failed this round (logged "maintenance_failed")

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <memory>
 
+#include "idem/errors.hpp"
 #include "idem/store_wrapper.hpp"
 
 namespace idem::sim {
@@ -19,8 +20,9 @@ enum class Operation : unsigned {
   store_if_absent,
   purge,
   reap,
-  steps,   // begin_steps, mark_pending, commit_step, abandoned: a multi-step operation's writes
-  outbox,  // every outbox operation
+  steps,         // begin_steps, commit_step, abandoned: a multi-step operation's other writes
+  outbox,        // every outbox operation
+  mark_pending,  // the write right before an external call (Store::mark_pending)
 };
 
 // Wraps a real Store and makes chosen operations fail with StoreError, the way a disk that
@@ -40,6 +42,11 @@ class FaultyStore final : public StoreWrapper {
   bool failing(Operation op) const noexcept;
   // Every operation at once: the store is unreachable.
   void set_unreachable(bool down) noexcept;
+  // Makes `op` lose its replies (or answer again): the operation goes to the wrapped store and
+  // takes effect there, then the caller gets a StoreError, as when a connection breaks after
+  // the database committed and before its answer arrived. (A failing operation fails first.)
+  void lose_replies(Operation op, bool on = true) noexcept;
+  bool losing(Operation op) const noexcept;
 
   Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
                       TimePoint lease) override;
@@ -75,7 +82,18 @@ class FaultyStore final : public StoreWrapper {
 
  private:
   void fail_if(Operation op) const;
+  static StoreError lost_reply();
+  // Runs `f` on the wrapped store unless `op` is failing; then throws a lost reply if `op`
+  // loses its replies.
+  template <class F>
+  auto through(Operation op, F&& f) -> decltype(f()) {
+    fail_if(op);
+    auto result = f();
+    if (losing(op)) throw lost_reply();
+    return result;
+  }
   std::atomic<unsigned> failing_{0};  // one bit per Operation
+  std::atomic<unsigned> losing_{0};   // one bit per Operation
 };
 
 }  // namespace idem::sim
