@@ -159,6 +159,9 @@ struct TwoInFlight final : idem::StoreWrapper {
   struct Held final : idem::PendingApply {
     Held(idem::Store& s, std::span<idem::StoreOp* const> o) : store(s), ops(o.begin(), o.end()) {}
     int descriptor() const noexcept override { return done_ ? -1 : 0; }
+    std::chrono::steady_clock::time_point deadline() const noexcept override {
+      return std::chrono::steady_clock::time_point::max();
+    }
     bool done() const noexcept override { return done_; }
     void advance() noexcept override {
       store.apply(ops);

@@ -424,7 +424,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "steps: a pending mark whose reply was lost is not called; the retry looks the step up "
+    "steps: a pending mark whose reply was lost is not called, and the retry looks the step up "
     "first and charges once") {
   Shop shop;
   const demo::CheckoutRequest order = shop.order();

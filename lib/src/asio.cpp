@@ -13,6 +13,7 @@
 #include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/prefer.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <cerrno>
@@ -161,8 +162,10 @@ void AsyncWaiter::Handle::enlist() { waits.add(shared_from_this()); }
 void AsyncWaiter::Handle::unregister() { waits.remove(this); }
 
 // A round's batch in the store (Store::start_apply), waited for by the io_context's reactor
-// on the store's socket. It waits on a duplicate of the descriptor, so closing its own never
-// closes the store's, and follows the store to a new one if the batch moved connection.
+// on the store's socket, until the batch is done or its deadline (PendingApply::deadline)
+// passes: then the batch is failed, and the store drops its stalled connection. It waits on a
+// duplicate of the descriptor, so closing its own never closes the store's, and follows the
+// store to a new one if the batch moved connection.
 class SocketWait : public std::enable_shared_from_this<SocketWait> {
  public:
   // Throws std::system_error if the descriptor cannot be duplicated or registered.
@@ -172,12 +175,46 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
     std::lock_guard lock(w->mutex_);
     w->watch();
     w->arm();
+    w->arm_deadline();
   }
 
   SocketWait(const net::any_io_executor& ex, PendingApply& pending, std::function<void()> finished)
-      : socket_(ex), pending_(pending), finished_(std::move(finished)) {}
+      : socket_(ex), timer_(ex), pending_(pending), finished_(std::move(finished)) {}
 
  private:
+  // Requires mutex_. (Again when the batch's next pipeline moved its deadline.)
+  void arm_deadline() {
+    const auto at = pending_.deadline();
+    if (at == armed_deadline_ || at == std::chrono::steady_clock::time_point::max()) return;
+    armed_deadline_ = at;
+    timer_.expires_at(at);
+    timer_.async_wait(
+        [self = shared_from_this()](const boost::system::error_code& ec) { self->expired(ec); });
+  }
+
+  void expired(const boost::system::error_code& ec) {
+    if (ec) return;  // cancelled: done, or a later deadline armed
+    std::unique_lock lock(mutex_);
+    if (ended_ || pending_.done()) return;
+    if (std::chrono::steady_clock::now() < pending_.deadline()) {
+      arm_deadline();  // the deadline moved meanwhile
+      return;
+    }
+    pending_.fail(std::make_exception_ptr(
+        StoreError("idem: the store did not answer a batch by its deadline", 0)));
+    end(lock);
+  }
+
+  // Requires mutex_ (released here): the wait is over.
+  void end(std::unique_lock<std::mutex>& lock) {
+    ended_ = true;
+    boost::system::error_code ignored;
+    timer_.cancel(ignored);
+    socket_.close(ignored);
+    lock.unlock();
+    finished_();
+  }
+
   void watch() {
     watched_ = pending_.descriptor();
     const int fd = ::dup(watched_);
@@ -207,6 +244,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
 
   void ready(const boost::system::error_code& ec) {
     std::unique_lock lock(mutex_);
+    if (ended_) return;  // the deadline ended it
     if (ec && ec != net::error::operation_aborted) {
       pending_.fail(std::make_exception_ptr(
           StoreError(fmt::format("idem: waiting for the store failed: {}", ec.message()), 0)));
@@ -221,15 +259,13 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
       try {
         if (pending_.descriptor() != watched_) watch();
         arm();
+        arm_deadline();
         return;
       } catch (...) {
         pending_.fail(std::current_exception());
       }
     }
-    boost::system::error_code ignored;
-    socket_.close(ignored);
-    lock.unlock();
-    finished_();
+    end(lock);
   }
 
   static bool readable(int fd) {
@@ -241,9 +277,12 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
   // the one that runs its handler (an io_context may be run by several threads).
   std::mutex mutex_;
   net::posix::stream_descriptor socket_;
+  net::steady_timer timer_;
   PendingApply& pending_;
   std::function<void()> finished_;
   int watched_ = -1;
+  std::chrono::steady_clock::time_point armed_deadline_{};
+  bool ended_ = false;  // guarded by mutex_: finished_ ran
 };
 
 // A posted round of the group commit: waits for the store's batch on `ex`.

@@ -11,8 +11,8 @@
 
 namespace idem::detail {
 
-PgListener::PgListener(Connect connect, std::string listen, Notify notify, Listening listening,
-                       std::chrono::milliseconds reconnect_min,
+PgListener::PgListener(pg::Parameters connect, std::string listen, Notify notify,
+                       Listening listening, std::chrono::milliseconds reconnect_min,
                        std::chrono::milliseconds reconnect_max)
     : connect_(std::move(connect)),
       listen_(std::move(listen)),
@@ -37,26 +37,22 @@ bool PgListener::stopping_within(std::chrono::milliseconds d) const {
   return ::poll(&p, 1, static_cast<int>(d.count())) > 0;
 }
 
-PGconn* PgListener::open() {
-  PGconn* c = connect_();
-  if (c == nullptr) return nullptr;
-  if (PQstatus(c) == CONNECTION_OK) {
-    PGresult* r = PQexec(c, listen_.c_str());
-    const bool ok = PQresultStatus(r) == PGRES_COMMAND_OK;
-    PQclear(r);
-    if (ok) return c;
+bool PgListener::open(pg::Session& session) {
+  try {
+    session.open(connect_);
+    return PQresultStatus(session.exec(listen_).get()) == PGRES_COMMAND_OK;
+  } catch (const std::exception&) {  // StoreError: the server cannot be reached (yet)
+    session.close();
+    return false;
   }
-  PQfinish(c);
-  return nullptr;
 }
 
 void PgListener::run() {
   std::chrono::milliseconds backoff = reconnect_min_;
-  PGconn* c = nullptr;
+  pg::Session session;
   for (;;) {
-    if (c == nullptr) {
-      c = open();
-      if (c == nullptr) {
+    if (!session.connected()) {
+      if (!open(session)) {
         if (stopping_within(backoff)) break;
         backoff = std::min(backoff * 2, reconnect_max_);
         continue;
@@ -64,12 +60,12 @@ void PgListener::run() {
       backoff = reconnect_min_;
       listening_();
     }
+    PGconn* const c = session.get();
     pollfd fds[2] = {{PQsocket(c), POLLIN, 0}, {stop_fd_, POLLIN, 0}};
     if (::poll(fds, 2, -1) < 0) continue;  // EINTR
     if (fds[1].revents != 0) break;
     if (PQconsumeInput(c) == 0 || PQstatus(c) != CONNECTION_OK) {  // lost: open another
-      PQfinish(c);
-      c = nullptr;
+      session.close();
       continue;
     }
     while (PGnotify* n = PQnotifies(c)) {
@@ -77,7 +73,6 @@ void PgListener::run() {
       PQfreemem(n);
     }
   }
-  if (c != nullptr) PQfinish(c);
 }
 
 }  // namespace idem::detail

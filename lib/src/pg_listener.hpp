@@ -2,13 +2,13 @@
 // channel, on a thread of its own, and hands each notification's payload to a callback.
 #pragma once
 
-#include <libpq-fe.h>
-
 #include <chrono>
 #include <functional>
 #include <string>
 #include <string_view>
 #include <thread>
+
+#include "idem/internal/pg.hpp"
 
 namespace idem::detail {
 
@@ -16,19 +16,18 @@ namespace idem::detail {
 // listener's thread.
 class PgListener {
  public:
-  // Opens a connection (a usable one or a bad one; null only when out of memory).
-  using Connect = std::function<PGconn*()>;
   // A notification's payload and the backend pid of the session that sent it.
   using Notify = std::function<void(std::string_view payload, int sender_pid)>;
   // Called on the listener's thread each time LISTEN takes effect (first and after a
   // reconnect): notifications committed from then on reach `notify`.
   using Listening = std::function<void()>;
 
-  // Starts the thread. `listen` is the LISTEN statement. A lost connection is opened again
-  // after reconnect_min, doubling up to reconnect_max; notifications sent meanwhile are lost
+  // Starts the thread, which connects with `connect` (its waits bounded, as every session's)
+  // and runs `listen`, the LISTEN statement. A lost connection is opened again after
+  // reconnect_min, doubling up to reconnect_max; notifications sent meanwhile are lost
   // (waiters poll the store all the same). Throws std::system_error if the thread cannot
   // start.
-  PgListener(Connect connect, std::string listen, Notify notify, Listening listening,
+  PgListener(pg::Parameters connect, std::string listen, Notify notify, Listening listening,
              std::chrono::milliseconds reconnect_min, std::chrono::milliseconds reconnect_max);
   // Stops the thread: after it returns, the callback is not running and never runs again.
   ~PgListener();
@@ -37,11 +36,12 @@ class PgListener {
 
  private:
   void run();
-  PGconn* open();
+  // Connects and listens; false if it could not.
+  bool open(pg::Session& session);
   // Waits up to `d` for stop; returns true if stopping.
   bool stopping_within(std::chrono::milliseconds d) const;
 
-  Connect connect_;
+  pg::Parameters connect_;
   std::string listen_;
   Notify notify_;
   Listening listening_;

@@ -19,6 +19,7 @@
 
 #include "fair_mutex.hpp"
 #include "idem/errors.hpp"
+#include "idem/internal/pg.hpp"
 #include "idem/key.hpp"
 #include "pg_import.hpp"
 #include "pg_listener.hpp"
@@ -45,19 +46,10 @@ constexpr std::size_t kMaxBatchConnections = 64;
 // changes another column too (a completion, a release).
 constexpr std::chrono::milliseconds kImportClockSlack{1000};
 
-struct ResultDeleter {
-  void operator()(PGresult* r) const noexcept { PQclear(r); }
-};
-using Result = std::unique_ptr<PGresult, ResultDeleter>;
+using pg::Result;
 
 StoreError pg_error(std::string_view what, const PGresult* r, PGconn* c) {
-  const char* state = r != nullptr ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : nullptr;
-  std::string message = r != nullptr ? PQresultErrorMessage(r) : "";
-  if (message.empty() && c != nullptr) message = PQerrorMessage(c);
-  while (!message.empty() && (message.back() == '\n' || message.back() == ' ')) message.pop_back();
-  return StoreError(
-      fmt::format("postgresql: {}: {}{}", what, state ? fmt::format("[{}] ", state) : "", message),
-      0);
+  return StoreError(pg::describe(what, r, c), 0);
 }
 
 // A statement's parameters: integers as text, strings as raw bytes (binary format, so a text
@@ -246,8 +238,6 @@ std::string with_schema(std::string_view text, const std::string& schema) {
   return out;
 }
 
-void ignore_notice(void*, const char*) {}
-
 // `text` with every byte that is not valid UTF-8 replaced by U+FFFD: a text column takes
 // nothing else, and a delivery's error message may come from anywhere.
 std::string valid_utf8(const std::string& text) {
@@ -279,8 +269,8 @@ struct PgStore::Impl {
   PgOptions options;
   std::string schema;  // quoted
   std::vector<std::string> texts;
-  detail::FairMutex mutex;  // serialises every use of `conn`, first come first served
-  PGconn* conn = nullptr;   // guarded by `mutex`; null while disconnected
+  detail::FairMutex mutex;  // serialises every use of `session`, first come first served
+  pg::Session session;      // guarded by `mutex`; not connected while disconnected
   // Reconnection, guarded by `mutex`.
   std::chrono::milliseconds backoff;
   SteadyClock::time_point next_attempt{};
@@ -300,6 +290,10 @@ struct PgStore::Impl {
   // connects on first use; empty in a batch session. Fixed after construction;
   // declared before the listener, whose thread reads it (own()), so it outlives that thread.
   std::vector<std::unique_ptr<Impl>> batch;
+  // The session of maintenance (purge, reap, the completer's search, the outbox), which
+  // connects on first use: a request never waits behind a maintenance job's round trip, nor
+  // for the lock a stalled one holds. Null in a batch session.
+  std::unique_ptr<Impl> upkeep;
   // Wake-ups (PgOptions::notify): the channel (pg_notify's argument), the write
   // connection's backend (its own notifications are not news to this process), the
   // listeners and the LISTEN connection, started with the first listener.
@@ -325,14 +319,10 @@ struct PgStore::Impl {
     if (!options.local_clock) options.local_clock = std::make_shared<SystemClock>();
     backoff = options.reconnect_min;
     connect();
-    try {
-      migrate();
-    } catch (...) {
-      if (conn != nullptr) PQfinish(conn);  // no destructor runs for a half-built Impl
-      throw;
-    }
+    migrate();  // a half-built Impl's session closes its connection as the Impl unwinds
     for (std::size_t i = 0; i < options.batch_connections; ++i)
       batch.push_back(std::make_unique<Impl>(BatchOf{*this}));
+    upkeep = std::make_unique<Impl>(BatchOf{*this});
   }
 
   // A batch session of `main`: the same server, schema and options; not connected yet (its
@@ -369,10 +359,6 @@ struct PgStore::Impl {
     });
   }
 
-  ~Impl() {
-    if (conn != nullptr) PQfinish(conn);
-  }
-
   Shift shift() const { return Shift{owner->offset.load(std::memory_order_relaxed)}; }
 
   // Whether the shared offset is older than PgOptions::clock_refresh (or was never measured).
@@ -384,60 +370,47 @@ struct PgStore::Impl {
 
   // ---- the connection ----
 
-  void drop(std::string why) {
-    if (conn != nullptr) PQfinish(conn);
-    conn = nullptr;
+  PGconn* conn() const noexcept { return session.get(); }
+
+  // The connection is gone (closed here or by the session); the next use reconnects. A server
+  // that stopped answering gets a backoff first, so the calls queued behind this one fail at
+  // once instead of each waiting out a connect timeout; one that closed the connection is tried
+  // again at once.
+  void lost(std::string why) {
     last_failure = std::move(why);
-    next_attempt = SteadyClock::now();  // the first reconnection is tried at once
+    next_attempt =
+        SteadyClock::now() + (session.timed_out() ? backoff : std::chrono::milliseconds(0));
   }
 
-  // A new connection with idem's defaults (a bad one if the server cannot be reached; null
-  // only when out of memory).
-  PGconn* open_connection() const {
-    // Defaults for what the conninfo leaves unset (it is expanded after them, so its own
-    // values win): without them a server that vanishes without a reset (a failover, a
-    // partition) would hold a call, and every thread queued behind the store's lock, for
-    // as long as the OS's TCP keepalive takes (hours). statement_timeout is the server's
-    // and cannot help then.
-    const std::string user_timeout =
-        std::to_string((options.statement_timeout + std::chrono::seconds(5)).count());
-    const char* keywords[] = {"connect_timeout",
-                              "keepalives_idle",
-                              "keepalives_interval",
-                              "keepalives_count",
-                              "tcp_user_timeout",
-                              "dbname",
-                              nullptr};
-    const char* values[] = {"5", "5", "2", "3", user_timeout.c_str(), conninfo.c_str(), nullptr};
-    return PQconnectdbParams(keywords, values, 1);
+  void drop(std::string why) {
+    session.close();
+    lost(std::move(why));
+  }
+
+  // What a connection of this store opens with (pg::Session::open adds idem's keepalives and
+  // timeouts on both ends).
+  pg::Parameters parameters() const {
+    return pg::Parameters{conninfo, pg::Timeouts{.connect = options.connect_timeout,
+                                                 .statement = options.statement_timeout,
+                                                 .margin = options.reply_margin}};
   }
 
   void connect() {
-    PGconn* c = open_connection();
-    if (c == nullptr || PQstatus(c) != CONNECTION_OK) {
-      const std::string why = c != nullptr ? PQerrorMessage(c) : "out of memory";
-      if (c != nullptr) PQfinish(c);
-      throw StoreError(fmt::format("postgresql: cannot connect: {}", why), 0);
-    }
-    PQsetNoticeProcessor(c, ignore_notice, nullptr);
-    conn = c;
+    session.open(parameters());
     try {
       if (schema.empty()) {
-        char* quoted = PQescapeIdentifier(conn, options.schema.data(), options.schema.size());
-        if (quoted == nullptr) throw pg_error("quoting the schema name", nullptr, conn);
+        char* quoted = PQescapeIdentifier(conn(), options.schema.data(), options.schema.size());
+        if (quoted == nullptr) throw pg_error("quoting the schema name", nullptr, conn());
         schema = quoted;
         PQfreemem(quoted);
         for (std::string_view t : kTexts) texts.push_back(with_schema(t, schema));
       }
-      simple(
-          fmt::format(fmt::runtime(pg_sql::kStatementTimeout), options.statement_timeout.count()));
       simple(pg_sql::kReadCommitted);
       simple(fmt::format(fmt::runtime(pg_sql::kSearchPath), schema));
-      own_backend.store(PQbackendPID(conn), std::memory_order_relaxed);
+      own_backend.store(PQbackendPID(conn()), std::memory_order_relaxed);
       connects.fetch_add(1, std::memory_order_relaxed);
     } catch (...) {
-      if (conn != nullptr) PQfinish(conn);
-      conn = nullptr;
+      session.close();
       throw;
     }
   }
@@ -445,8 +418,8 @@ struct PgStore::Impl {
   // Prepares the statements on this connection (after the migrations made what they use).
   void prepare() {
     for (int i = 0; i < kStatementCount; ++i) {
-      Result r(PQprepare(conn, statement_name(static_cast<Stmt>(i)).c_str(),
-                         texts[static_cast<std::size_t>(i)].c_str(), 0, nullptr));
+      Result r = session.prepare(statement_name(static_cast<Stmt>(i)).c_str(),
+                                 texts[static_cast<std::size_t>(i)].c_str());
       round_trips.fetch_add(1, std::memory_order_relaxed);
       if (PQresultStatus(r.get()) != PGRES_COMMAND_OK)
         throw failure("preparing statements", r.get());
@@ -456,8 +429,8 @@ struct PgStore::Impl {
   // A usable connection, reconnecting (at most once per backoff) if it was lost. Requires
   // `mutex`.
   void ensure() {
-    if (conn != nullptr && PQstatus(conn) == CONNECTION_BAD) drop(PQerrorMessage(conn));
-    if (conn != nullptr) {
+    if (session.connected() && PQstatus(conn()) == CONNECTION_BAD) drop(PQerrorMessage(conn()));
+    if (session.connected()) {
       if (options.clock == PgClock::database && clock_stale()) measure_clock();
       return;
     }
@@ -472,8 +445,7 @@ struct PgStore::Impl {
       if (options.clock == PgClock::database && (owner == this || clock_stale())) measure_clock();
       backoff = options.reconnect_min;
     } catch (const StoreError& e) {
-      if (conn != nullptr) PQfinish(conn);
-      conn = nullptr;
+      session.close();
       last_failure = e.what();
       next_attempt = SteadyClock::now() + backoff;
       backoff = std::min(backoff * 2, options.reconnect_max);
@@ -483,13 +455,13 @@ struct PgStore::Impl {
 
   // The StoreError for a failed result; drops the connection if it broke.
   StoreError failure(std::string_view what, const PGresult* r) {
-    StoreError e = pg_error(what, r, conn);
-    if (conn != nullptr && PQstatus(conn) != CONNECTION_OK) drop(e.what());
+    StoreError e = pg_error(what, r, conn());
+    if (session.connected() && PQstatus(conn()) != CONNECTION_OK) drop(e.what());
     return e;
   }
 
   void simple(const std::string& sql) {
-    Result r(PQexec(conn, sql.c_str()));
+    Result r = session.exec(sql);
     round_trips.fetch_add(1, std::memory_order_relaxed);
     if (PQresultStatus(r.get()) != PGRES_COMMAND_OK && PQresultStatus(r.get()) != PGRES_TUPLES_OK)
       throw failure(sql.substr(0, sql.find(' ')), r.get());
@@ -497,8 +469,8 @@ struct PgStore::Impl {
 
   // Runs a prepared statement; binary results.
   Result run(Stmt s, Params& p) {
-    Result r(PQexecPrepared(conn, statement_name(s).c_str(), p.count(), p.values(), p.lengths(),
-                            p.formats(), 1));
+    Result r = session.exec_prepared(statement_name(s).c_str(), p.count(), p.values(), p.lengths(),
+                                     p.formats(), 1);
     round_trips.fetch_add(1, std::memory_order_relaxed);
     const ExecStatusType status = PQresultStatus(r.get());
     if (status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK)
@@ -533,7 +505,7 @@ struct PgStore::Impl {
       simple(fmt::format(fmt::runtime(pg_sql::kMigrationLock),
                          literal("idem migrations " + options.schema)));
       simple(with_schema(pg_sql::kCreateMeta, schema));
-      Result v(PQexec(conn, with_schema(pg_sql::kVersion, schema).c_str()));
+      Result v = session.exec(with_schema(pg_sql::kVersion, schema));
       round_trips.fetch_add(1, std::memory_order_relaxed);
       if (PQresultStatus(v.get()) != PGRES_TUPLES_OK)
         throw failure("reading the schema version", v.get());
@@ -554,7 +526,7 @@ struct PgStore::Impl {
       }
       simple(pg_sql::kCommit);
     } catch (...) {
-      if (conn != nullptr) Result rollback(PQexec(conn, pg_sql::kRollback));
+      if (session.connected()) rollback();
       throw;
     }
     prepare();
@@ -562,8 +534,8 @@ struct PgStore::Impl {
   }
 
   std::string literal(const std::string& s) {
-    char* q = PQescapeLiteral(conn, s.data(), s.size());
-    if (q == nullptr) throw pg_error("quoting", nullptr, conn);
+    char* q = PQescapeLiteral(conn(), s.data(), s.size());
+    if (q == nullptr) throw pg_error("quoting", nullptr, conn());
     std::string out = q;
     PQfreemem(q);
     return out;
@@ -571,12 +543,22 @@ struct PgStore::Impl {
 
   // ---- transactions ----
 
+  // Rolls the open transaction back; a failure to do so (the connection broke or stopped
+  // answering) has closed the connection, which ends the transaction on the server too.
+  void rollback() noexcept {
+    try {
+      session.exec(pg_sql::kRollback);
+    } catch (const StoreError& e) {
+      lost(e.what());
+    }
+  }
+
   // BEGIN now, ROLLBACK unless commit() ran (a failed statement aborts the transaction).
   class Transaction {
    public:
     explicit Transaction(Impl& d) : d_(d) { d_.simple(pg_sql::kBegin); }
     ~Transaction() {
-      if (!done_ && d_.conn != nullptr) Result rollback(PQexec(d_.conn, pg_sql::kRollback));
+      if (!done_ && d_.session.connected()) d_.rollback();
     }
     Transaction(const Transaction&) = delete;
     Transaction& operator=(const Transaction&) = delete;
@@ -591,11 +573,18 @@ struct PgStore::Impl {
     bool done_ = false;
   };
 
+  // Runs `f` on the connection, under `mutex`. A failure that cost the connection (a break,
+  // a reply that did not come in time) is noted for the reconnection.
   template <class F>
   auto locked(F&& f) -> decltype(f()) {
     std::lock_guard lock(mutex);
     ensure();
-    return f();
+    try {
+      return f();
+    } catch (const StoreError& e) {
+      if (!session.connected()) lost(e.what());
+      throw;
+    }
   }
 
   // ---- the ops of apply() ----
@@ -765,8 +754,21 @@ struct PgStore::Impl {
 
   // A StoreError for a pipeline that broke on its way; drops the connection.
   [[noreturn]] void broken(std::string_view what) {
-    StoreError e = pg_error(what, nullptr, conn);
+    StoreError e = pg_error(what, nullptr, conn());
     drop(e.what());
+    throw e;
+  }
+
+  // A StoreError for a pipeline whose replies did not come in time; drops the connection,
+  // with the backoff of a server that stopped answering.
+  [[noreturn]] void stalled(std::string_view what) {
+    StoreError e(fmt::format("postgresql: {}: no reply within {} ms; the connection was dropped, "
+                             "and whether the batch committed is unknown",
+                             what, session.timeouts().reply().count()),
+                 0);
+    session.close();
+    next_attempt = SteadyClock::now() + backoff;
+    last_failure = e.what();
     throw e;
   }
 
@@ -775,23 +777,28 @@ struct PgStore::Impl {
   // connection (ensure()).
   Incoming send_pipeline(std::span<StoreOp* const> ops, std::span<Params> params,
                          const std::string& payload) {
-    if (PQenterPipelineMode(conn) != 1) throw failure("entering pipeline mode", nullptr);
-    bool sent =
-        PQsendQueryParams(conn, pg_sql::kBegin, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
+    PGconn* const c = conn();
+    if (PQenterPipelineMode(c) != 1) throw failure("entering pipeline mode", nullptr);
+    bool sent = PQsendQueryParams(c, pg_sql::kBegin, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
     for (std::size_t i = 0; sent && i < ops.size(); ++i) {
       Params& p = params[i];
-      sent = PQsendQueryPrepared(conn, statement_name(statement_of(*ops[i])).c_str(), p.count(),
+      sent = PQsendQueryPrepared(c, statement_name(statement_of(*ops[i])).c_str(), p.count(),
                                  p.values(), p.lengths(), p.formats(), 1) == 1;
     }
     if (sent && !payload.empty()) {
       const char* values[] = {channel.c_str(), payload.c_str()};
-      sent = PQsendQueryParams(conn, pg_sql::kNotify, 2, nullptr, values, nullptr, nullptr, 0) == 1;
+      sent = PQsendQueryParams(c, pg_sql::kNotify, 2, nullptr, values, nullptr, nullptr, 0) == 1;
     }
     sent = sent &&
-           PQsendQueryParams(conn, pg_sql::kCommit, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
-    sent = sent && PQpipelineSync(conn) == 1;
+           PQsendQueryParams(c, pg_sql::kCommit, 0, nullptr, nullptr, nullptr, nullptr, 0) == 1;
+    sent = sent && PQpipelineSync(c) == 1;
     round_trips.fetch_add(1, std::memory_order_relaxed);
     if (!sent) broken("sending a pipeline");
+    // Non-blocking: what did not fit the socket is sent now, waiting at most for a reply's time.
+    if (!session.flush(session.reply_deadline())) {
+      if (PQstatus(c) != CONNECTION_OK) broken("sending a pipeline");
+      stalled("sending a pipeline");
+    }
     Incoming in;
     in.commands = ops.size() + 2 + (payload.empty() ? 0 : 1);
     return in;
@@ -801,11 +808,11 @@ struct PgStore::Impl {
   // broke before its end (then whether the COMMIT took effect is unknown, and running the ops
   // again could find their own writes). Requires `mutex`.
   Pipelined conclude(std::span<StoreOp* const> ops, Incoming& in, bool notified) {
-    if (!in.synced || PQexitPipelineMode(conn) != 1)
+    if (!in.synced || PQexitPipelineMode(conn()) != 1)
       broken("a pipeline broke before its end (its outcome is unknown)");
     if (!in.ok) {
       // The sync ends the pipeline, not the transaction BEGIN opened: it is left aborted.
-      if (PQtransactionStatus(conn) != PQTRANS_IDLE) simple(pg_sql::kRollback);
+      if (PQtransactionStatus(conn()) != PQTRANS_IDLE) simple(pg_sql::kRollback);
       return Pipelined::op_failed;
     }
     for (std::size_t i = 0; i < ops.size(); ++i) {
@@ -827,11 +834,9 @@ struct PgStore::Impl {
     ensure();
     const std::string payload = notify_payload(ops);
     Incoming in = send_pipeline(ops, params, payload);
-    while (!in.synced) {
-      if (!in.take(conn)) break;
-      if (in.synced) break;
-      pollfd p{PQsocket(conn), POLLIN, 0};
-      if (::poll(&p, 1, -1) < 0 && errno != EINTR) break;
+    const pg::Deadline deadline = session.reply_deadline();
+    while (in.take(conn()) && !in.synced) {
+      if (!session.wait(POLLIN, deadline)) stalled("waiting for a batch's results");
     }
     return conclude(ops, in, !payload.empty());
   }
@@ -971,9 +976,9 @@ namespace {
 // type, so any column type comes back readable.
 class PgLocal final : public LocalTransaction {
  public:
-  PgLocal(PGconn* conn, std::string outbox_insert, const KeyId& id, std::int64_t origin,
+  PgLocal(pg::Session& session, std::string outbox_insert, const KeyId& id, std::int64_t origin,
           std::string_view step, std::int64_t now_db)
-      : conn_(conn),
+      : session_(session),
         outbox_insert_(std::move(outbox_insert)),
         id_(id),
         origin_(origin),
@@ -996,11 +1001,11 @@ class PgLocal final : public LocalTransaction {
       }
     }
     const std::string text(sql);
-    Result r(PQexecParams(conn_, text.c_str(), p.count(), nullptr, p.values(), p.lengths(),
-                          p.formats(), 0));
+    Result r =
+        session_.exec_params(text.c_str(), p.count(), p.values(), p.lengths(), p.formats(), 0);
     const ExecStatusType status = PQresultStatus(r.get());
     if (status != PGRES_COMMAND_OK && status != PGRES_TUPLES_OK) {
-      throw pg_error("a local step's statement", r.get(), conn_);
+      throw pg_error("a local step's statement", r.get(), session_.get());
     }
     // As sqlite3_changes(): rows the last INSERT, UPDATE or DELETE changed (PQcmdTuples also
     // counts the rows of a SELECT, which leaves the count as it was).
@@ -1025,10 +1030,10 @@ class PgLocal final : public LocalTransaction {
     std::string id = outbox_message_id(id_, origin_, step_, sent_++);
     Params p;
     p.text(id).text(topic).bytes(payload).text(short_hash(id_)).integer(now_db_);
-    Result r(PQexecPrepared(conn_, outbox_insert_.c_str(), p.count(), p.values(), p.lengths(),
-                            p.formats(), 1));
+    Result r = session_.exec_prepared(outbox_insert_.c_str(), p.count(), p.values(), p.lengths(),
+                                      p.formats(), 1);
     if (PQresultStatus(r.get()) != PGRES_COMMAND_OK)
-      throw pg_error("queueing a message", r.get(), conn_);
+      throw pg_error("queueing a message", r.get(), session_.get());
     return id;
   }
 
@@ -1059,7 +1064,7 @@ class PgLocal final : public LocalTransaction {
     }
   }
 
-  PGconn* conn_;
+  pg::Session& session_;
   std::string outbox_insert_;  // the prepared statement's name
   const KeyId& id_;
   std::int64_t origin_;
@@ -1078,11 +1083,11 @@ namespace detail {
 // each pipeline sent when the one before it has ended.
 class PgPending final : public PendingApply {
  public:
-  using Session = PgStore::Impl;
+  using Impl = PgStore::Impl;
 
   // `s`'s lock is held by the caller and passes to this object.
-  PgPending(Session& s, std::span<StoreOp* const> ops) : s_(s) {
-    Session& main = *s_.owner;
+  PgPending(Impl& s, std::span<StoreOp* const> ops) : s_(s) {
+    Impl& main = *s_.owner;
     main.started.fetch_add(1, std::memory_order_relaxed);
     const std::size_t now = main.in_flight.fetch_add(1, std::memory_order_relaxed) + 1;
     std::size_t most = main.most_in_flight.load(std::memory_order_relaxed);
@@ -1107,19 +1112,26 @@ class PgPending final : public PendingApply {
   PgPending(const PgPending&) = delete;
   PgPending& operator=(const PgPending&) = delete;
 
-  int descriptor() const noexcept override { return done_ ? -1 : PQsocket(s_.conn); }
+  int descriptor() const noexcept override { return done_ ? -1 : PQsocket(s_.conn()); }
+  std::chrono::steady_clock::time_point deadline() const noexcept override { return deadline_; }
   bool done() const noexcept override { return done_; }
 
   void advance() noexcept override {
     if (done_) return;
-    if (in_.take(s_.conn) && !in_.synced) return;  // more to come
+    if (in_.take(s_.conn()) && !in_.synced) return;  // more to come
     end_pipeline();
   }
 
   void fail(std::exception_ptr why) noexcept override {
     if (done_) return;
     for (std::size_t i = first_; i < plan_.sendable.size(); ++i) plan_.sendable[i]->error = why;
-    s_.drop("the wait for a batch's results failed");
+    if (std::chrono::steady_clock::now() >= deadline_) {
+      s_.session.close();  // stalled: the next use waits out the backoff first
+      s_.next_attempt = SteadyClock::now() + s_.backoff;
+      s_.last_failure = "a batch's results did not come in time";
+    } else {
+      s_.drop("the wait for a batch's results failed");
+    }
     finish();
   }
 
@@ -1135,6 +1147,7 @@ class PgPending final : public PendingApply {
         payload_ = s_.notify_payload(part());
         in_ = s_.send_pipeline(part(), std::span<Params>(plan_.params.data() + first_, count_),
                                payload_);
+        deadline_ = s_.session.reply_deadline();
         return;
       } catch (...) {
         for (StoreOp* op : part()) op->error = std::current_exception();
@@ -1158,12 +1171,13 @@ class PgPending final : public PendingApply {
     s_.mutex.unlock();
   }
 
-  Session& s_;
-  Session::Plan plan_;
+  Impl& s_;
+  Impl::Plan plan_;
   std::size_t first_ = 0;  // the current pipeline's first op in plan_.sendable
   std::size_t count_ = 0;  // and how many it carries
   std::string payload_;
-  Session::Incoming in_;
+  Impl::Incoming in_;
+  std::chrono::steady_clock::time_point deadline_ = std::chrono::steady_clock::time_point::max();
   bool done_ = false;
 };
 
@@ -1187,6 +1201,7 @@ PgStore::Stats PgStore::stats() const {
   };
   add(*impl_);
   for (const auto& s : impl_->batch) add(*s);
+  add(*impl_->upkeep);
   out.async_batches = impl_->started.load(std::memory_order_relaxed);
   out.most_batches_in_flight = impl_->most_in_flight.load(std::memory_order_relaxed);
   out.wakeups = impl_->wakeups.load(std::memory_order_relaxed);
@@ -1202,12 +1217,7 @@ std::uint64_t PgStore::add_change_listener(ChangeListener listener) {
   d.listeners.emplace(id, std::move(listener));
   if (!d.listener) {
     d.listener = std::make_unique<detail::PgListener>(
-        [&d] {
-          PGconn* c = d.open_connection();
-          if (c != nullptr) PQsetNoticeProcessor(c, ignore_notice, nullptr);
-          return c;
-        },
-        fmt::format(fmt::runtime(pg_sql::kListen), d.quoted_channel()),
+        d.parameters(), fmt::format(fmt::runtime(pg_sql::kListen), d.quoted_channel()),
         [&d](std::string_view payload, int sender) { d.notified(payload, sender); },
         [&d] { d.listens.fetch_add(1, std::memory_order_relaxed); }, d.options.reconnect_min,
         d.options.reconnect_max);
@@ -1286,7 +1296,7 @@ std::optional<Record> PgStore::load(const KeyId& id) {
 }
 
 std::size_t PgStore::purge_expired(TimePoint now, std::size_t limit) {
-  Impl& d = *impl_;
+  Impl& d = *impl_->upkeep;
   return d.locked([&] {
     Params p;
     p.integer(d.shift().to_db(now)).integer(static_cast<std::int64_t>(limit));
@@ -1295,7 +1305,7 @@ std::size_t PgStore::purge_expired(TimePoint now, std::size_t limit) {
 }
 
 std::vector<ReapedRecord> PgStore::reap(TimePoint lease_ended_before, std::size_t limit) {
-  Impl& d = *impl_;
+  Impl& d = *impl_->upkeep;
   return d.locked([&] {
     const Shift sh = d.shift();
     Params p;
@@ -1361,7 +1371,7 @@ bool PgStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t orig
     if (!row || row->token != token || row->state != State::in_progress)
       return false;  // a zombie: nothing of its step runs
     if (step.local) {
-      PgLocal local(d.conn, statement_name(kOutboxInsert), id, origin, step.result.step,
+      PgLocal local(d.session, statement_name(kOutboxInsert), id, origin, step.result.step,
                     d.shift().to_db(step.now));
       step.local(local);
     }
@@ -1378,7 +1388,7 @@ std::vector<AbandonedOperation> PgStore::abandoned(TimePoint idle_before, TimePo
                                                    std::span<const std::string> operations) {
   nlohmann::json names = nlohmann::json::array();
   for (const std::string& op : operations) names.push_back(op);
-  Impl& d = *impl_;
+  Impl& d = *impl_->upkeep;
   return d.locked([&] {
     const Shift sh = d.shift();
     Params p;
@@ -1406,7 +1416,7 @@ std::vector<AbandonedOperation> PgStore::abandoned(TimePoint idle_before, TimePo
 
 std::vector<OutboxMessage> PgStore::claim_outbox(TimePoint now, TimePoint claim_until,
                                                  std::size_t limit) {
-  Impl& d = *impl_;
+  Impl& d = *impl_->upkeep;
   std::vector<OutboxMessage> out = d.locked([&] {
     const Shift sh = d.shift();
     Params p;
@@ -1430,7 +1440,7 @@ std::vector<OutboxMessage> PgStore::claim_outbox(TimePoint now, TimePoint claim_
 }
 
 bool PgStore::outbox_delivered(const std::string& id, TimePoint now) {
-  Impl& d = *impl_;
+  Impl& d = *impl_->upkeep;
   return d.locked([&] {
     Params p;
     p.text(id).integer(d.shift().to_db(now));
@@ -1440,7 +1450,7 @@ bool PgStore::outbox_delivered(const std::string& id, TimePoint now) {
 
 void PgStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park,
                             const std::string& why) {
-  Impl& d = *impl_;
+  Impl& d = *impl_->upkeep;
   d.locked([&] {
     Params p;
     p.text(id).integer(d.shift().to_db(retry_at)).integer(park ? 1 : 0).text(valid_utf8(why));
@@ -1449,7 +1459,7 @@ void PgStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park
 }
 
 OutboxCounts PgStore::outbox_counts() {
-  Impl& d = *impl_;
+  Impl& d = *impl_->upkeep;
   return d.locked([&] {
     Params none;
     Result r = d.run(kOutboxCounts, none);
@@ -1463,7 +1473,7 @@ OutboxCounts PgStore::outbox_counts() {
 }
 
 std::size_t PgStore::purge_outbox(TimePoint delivered_before, std::size_t limit) {
-  Impl& d = *impl_;
+  Impl& d = *impl_->upkeep;
   return d.locked([&] {
     Params p;
     p.integer(d.shift().to_db(delivered_before)).integer(static_cast<std::int64_t>(limit));

@@ -200,6 +200,9 @@ class CachedPending final : public PendingApply {
   }
 
   int descriptor() const noexcept override { return done_ ? -1 : inner_->descriptor(); }
+  std::chrono::steady_clock::time_point deadline() const noexcept override {
+    return done_ ? std::chrono::steady_clock::time_point::max() : inner_->deadline();
+  }
   bool done() const noexcept override { return done_; }
   void advance() noexcept override {
     if (done_) return;
@@ -231,6 +234,9 @@ class CachedPending final : public PendingApply {
 class DonePending final : public PendingApply {
  public:
   int descriptor() const noexcept override { return -1; }
+  std::chrono::steady_clock::time_point deadline() const noexcept override {
+    return std::chrono::steady_clock::time_point::max();
+  }
   bool done() const noexcept override { return true; }
   void advance() noexcept override {}
   void fail(std::exception_ptr) noexcept override {}

@@ -42,6 +42,16 @@ struct PgOptions {
   // How long one statement may run before the server cancels it (statement_timeout); a lock
   // held by another node counts. Default: 5 s, as SqliteOptions::busy_timeout.
   std::chrono::milliseconds statement_timeout{5000};
+  // How much longer than statement_timeout this side waits for any reply before it gives the
+  // connection up: the connection is dropped, the operation is a StoreError (whether a write
+  // committed is then unknown), and the next use reconnects after reconnect_min. So a server
+  // that stops answering while its sockets stay open (a stuck pooler or proxy, a frozen
+  // backend: keepalives never fire then) costs a call statement_timeout + reply_margin at most.
+  // Default: 1 s.
+  std::chrono::milliseconds reply_margin{1000};
+  // How long connecting may take in all (TCP, authentication, settings), whatever the
+  // conninfo's connect_timeout says. Default: 5 s.
+  std::chrono::milliseconds connect_timeout{5000};
   // After a lost connection, reconnection is tried on the next use, at most once per backoff:
   // from reconnect_min, doubling up to reconnect_max, reset by a success. Meanwhile every
   // operation fails at once with StoreError (retryable).

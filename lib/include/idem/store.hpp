@@ -5,6 +5,7 @@
 // PgStore (several nodes) are the engines that ship; another engine implements this interface.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -224,6 +225,9 @@ class PendingApply {
   virtual ~PendingApply() = default;
   // The descriptor to wait on (a socket the engine owns: never close it); -1 once done().
   virtual int descriptor() const noexcept = 0;
+  // When the caller stops waiting: at this time, a batch not done yet is failed with
+  // fail() (its connection stalled: the engine drops it, and whether it committed is unknown).
+  virtual std::chrono::steady_clock::time_point deadline() const noexcept = 0;
   virtual bool done() const noexcept = 0;
   // The descriptor is readable: takes what arrived, without blocking for more. Never throws:
   // failures go to the ops.
