@@ -66,7 +66,22 @@ Response declined(std::string_view reason) {
                  fmt::format("the provider declined the charge: {}", reason));
 }
 
-// The local steps and the answer, after the debit (shared by both flows).
+// The answer once the order and the receipt are recorded.
+Response paid(const CheckoutRequest& r, const std::string& charge, const std::string& order) {
+  Response out;
+  out.status = 200;
+  out.headers = {{"Content-Type", "application/json"}};
+  out.body = json{{"id", order},
+                  {"charge_id", charge},
+                  {"amount", r.amount},
+                  {"currency", r.currency},
+                  {"order_id", r.order_id},
+                  {"status", "succeeded"}}
+                 .dump();  // keys sorted: the bytes of GET /v1/payments/{id}
+  return out;
+}
+
+// The local steps and the answer, after the debit, blocking.
 Response after_debit(Attempt& a, sim::Provider& provider, const CheckoutRequest& r,
                      const std::string& charge, const CrashHook& crash) {
   auto at = [&crash](std::string_view point) {
@@ -86,17 +101,7 @@ Response after_debit(Attempt& a, sim::Provider& provider, const CheckoutRequest&
     return id;
   });
   at("after notified");
-  Response out;
-  out.status = 200;
-  out.headers = {{"Content-Type", "application/json"}};
-  out.body = json{{"id", order},
-                  {"charge_id", charge},
-                  {"amount", r.amount},
-                  {"currency", r.currency},
-                  {"order_id", r.order_id},
-                  {"status", "succeeded"}}
-                 .dump();  // keys sorted: the bytes of GET /v1/payments/{id}
-  return out;
+  return paid(r, charge, order);
 }
 
 }  // namespace
@@ -161,7 +166,13 @@ boost::asio::awaitable<Response> async_checkout(Attempt& attempt, sim::Provider&
     co_return look_up_charge(provider, key);
   };
   const std::string charge = co_await async_external(attempt, "debited", call, lookup);
-  co_return after_debit(attempt, provider, r, charge, {});
+  if (charge.starts_with("declined:")) co_return declined(charge.substr(9));
+  const std::string order = co_await async_local(
+      attempt, "order_created",
+      [&](LocalTransaction& tx) { return create_order(tx, r, charge, epoch_ms(provider)); });
+  co_await async_local(attempt, "notified",
+                       [&](LocalTransaction& tx) { return queue_receipt(tx, r, charge, order); });
+  co_return paid(r, charge, order);
 }
 
 Delivery mail_delivery(sim::MailSender& mail) {

@@ -235,41 +235,55 @@ struct PaymentsApi::Impl {
 
   // The handler behind the layer: seed 000's checkout (debit, order, mail) as steps of the
   // key's attempt. Failures are 5xx replies, which the layer does not store: the key is
-  // released with its progress, and the retry resumes.
+  // released with its progress, and the retry resumes. An answer after a failure never says
+  // "nothing happened" when a charge may have been made: once the debit was begun (marked
+  // pending) or recorded, it says the outcome is unknown (error "outcome_unknown"), with the
+  // charge id when it is known, and tells the client to retry with the same key, never a new one.
   net::awaitable<Reply> create(const Request& req, const http::Context& call) {
     const json body = json::parse(req.body());  // the layer's check() parsed it already
     CheckoutRequest order{call.id.tenant, body.at("order_id"), body.at("amount"),
                           body.at("currency")};
     Attempt& attempt = *call.attempt;
-    std::string failure;
-    int status = 0;
+    int status = 503;
+    std::string cause;
     try {
       Response r = co_await async_checkout(attempt, *provider, std::move(order));
       co_return http::to_reply(r);
     } catch (const sim::ProviderTimeout& e) {
       status = 504;
-      failure = fmt::format(
-          "{}; retry with the same key: the charge is looked up before any "
-          "new attempt",
-          e.what());
+      cause = e.what();
+    } catch (const OutcomeUnknownError& e) {
+      cause = e.what();
     } catch (const StoreError& e) {
-      // Never "nothing happened" after money moved: say what is known.
-      status = 503;
-      const std::string* charge = attempt.result("debited");
-      failure =
-          charge != nullptr
-              ? fmt::format(
-                    "the charge {} was made but recording the payment failed ({}); "
-                    "retry with the same key to finish it, never with a new key",
-                    *charge, e.what())
-              : fmt::format("the store failed before any charge ({}); retry with the same key",
-                            e.what());
+      cause = e.what();
+    } catch (const LeaseLostError& e) {
+      // Another request took the key over (this one was paused, or its store stalled): that
+      // one answers for the payment; this one called nothing after its lease ended.
+      co_return problem_reply(
+          409, "lease_lost", "Payment taken over",
+          fmt::format("{}; retry with the same key to get the payment's answer", e.what()));
     }
-    if (status == 504) {
-      co_return problem_reply(504, "provider_unavailable", "Payment provider unavailable", failure);
+    const std::string* charge = attempt.known_result("debited");
+    if (!attempt.may_have_effects()) {
+      co_return problem_reply(
+          503, "store_unavailable", "Payment not made",
+          fmt::format("the store failed before this payment took effect ({}); nothing was "
+                      "charged: retry with the same key",
+                      cause));
     }
-    Reply r = problem_reply(503, "store_unavailable", "Payment not recorded", failure);
-    if (const std::string* charge = attempt.result("debited")) r.set("Payment-Charge-Id", *charge);
+    const std::string detail =
+        charge != nullptr
+            ? fmt::format(
+                  "the charge {} was made, and recording the payment failed ({}): retry "
+                  "with the same key to finish it, never with a new key",
+                  *charge, cause)
+            : fmt::format(
+                  "a charge may have been made, and whether it was is not known yet ({}): "
+                  "retry with the same key (the charge is looked up before any new "
+                  "attempt), never with a new key",
+                  cause);
+    Reply r = problem_reply(status, "outcome_unknown", "Payment outcome unknown", detail);
+    if (charge != nullptr) r.set("Payment-Charge-Id", *charge);
     co_return r;
   }
 

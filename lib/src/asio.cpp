@@ -285,23 +285,60 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
   bool ended_ = false;  // guarded by mutex_: finished_ ran
 };
 
-// A posted round of the group commit: waits for the store's batch on `ex`.
-void lead_round(detail::GroupCommit& commits, const net::any_io_executor& ex) {
-  commits.lead([&ex](PendingApply& pending, std::function<void()> finished) {
-    SocketWait::start(ex, pending, std::move(finished));
-  });
+// Runs `f`, a call into the coordinator's store, and returns what it returns (or rethrows
+// what it throws): on the coordinator's store threads when the store may wait on a network
+// (Store::remote()), the coroutine resuming on its own executor afterwards; right here
+// otherwise (SqliteStore: a call waits only for the disk and for other processes' locks).
+template <class T, class F>
+net::awaitable<T> store_call(detail::CoordinatorCore& core, F f) {
+  if (!core.store->remote()) co_return f();
+  std::optional<T> result;
+  std::exception_ptr failure;
+  co_await net::async_initiate<decltype(net::use_awaitable), void()>(
+      [&](auto handler) {
+        auto resume = std::make_shared<decltype(handler)>(std::move(handler));
+        // The io_context keeps work while the call runs elsewhere: its coroutine resumes on it.
+        const auto work = net::prefer(net::get_associated_executor(*resume),
+                                      net::execution::outstanding_work.tracked);
+        core.store_threads.post([&, resume, work] {
+          try {
+            result.emplace(f());
+          } catch (...) {
+            failure = std::current_exception();
+          }
+          net::post(std::move(*resume));
+        });
+      },
+      net::use_awaitable);
+  if (failure) std::rethrow_exception(failure);
+  co_return std::move(*result);
+}
+
+// A posted round of the group commit: waits for the store's batch on `ex`. A store that may
+// wait on a network starts the round (a connect, a batch on the main connection when every
+// batch connection is busy) on the coordinator's store threads, so the io_context's thread
+// never waits on it; the batch's results are waited for on `ex` all the same.
+void lead_round(detail::CoordinatorCore& core, const net::any_io_executor& ex) {
+  const auto lead = [&commits = core.commits, ex] {
+    commits.lead([&ex](PendingApply& pending, std::function<void()> finished) {
+      SocketWait::start(ex, pending, std::move(finished));
+    });
+  };
+  if (!core.store->remote()) return lead();
+  const auto work = net::prefer(ex, net::execution::outstanding_work.tracked);
+  core.store_threads.post([lead, work] { lead(); });
 }
 
 // Hands `op` to the coordinator's group commit and suspends until it is committed. The
 // first writer to find no leader posts the lead to its executor, so every coroutine that
 // becomes ready in the same turn of the io_context joins its batch.
-net::awaitable<void> group_write(detail::GroupCommit& commits, StoreOp& op) {
+net::awaitable<void> group_write(detail::CoordinatorCore& core, StoreOp& op) {
   using Signal = detail::GroupCommit::Signal;
   co_await net::async_initiate<decltype(net::use_awaitable), void()>(
-      [&commits, &op](auto handler) {
+      [&core, &op](auto handler) {
         auto ex = net::get_associated_executor(handler);
         auto resume = std::make_shared<decltype(handler)>(std::move(handler));
-        auto notify = [&commits, ex, resume](Signal s) {
+        auto notify = [&core, ex, resume](Signal s) {
           // Called from whichever thread ran the round. Work is held across the post: what it
           // posts may end the last coroutine and let run() return (and the io_context be
           // destroyed) before post() is done with the context.
@@ -309,10 +346,10 @@ net::awaitable<void> group_write(detail::GroupCommit& commits, StoreOp& op) {
           if (s == Signal::committed) {
             net::post(std::move(*resume));
           } else {
-            net::post(ex, [&commits, ex] { lead_round(commits, ex); });
+            net::post(ex, [&core, ex] { lead_round(core, ex); });
           }
         };
-        if (commits.enqueue(op, notify)) net::post(ex, [&commits, ex] { lead_round(commits, ex); });
+        if (core.commits.enqueue(op, notify)) net::post(ex, [&core, ex] { lead_round(core, ex); });
       },
       net::use_awaitable);
 }
@@ -342,11 +379,14 @@ net::awaitable<Outcome> async_drive(Coordinator& coordinator, Request request, b
   for (;;) {
     const detail::Effect e = flow.next();
     switch (e.kind) {
-      case Kind::read:
-        flow.loaded(detail::read_record(*core.store, flow.id()));
+      case Kind::read: {
+        detail::Loaded loaded = co_await store_call<detail::Loaded>(
+            core, [&core, &flow] { return detail::read_record(*core.store, flow.id()); });
+        flow.loaded(std::move(loaded));
         break;
+      }
       case Kind::write:
-        co_await group_write(core.commits, flow.op());
+        co_await group_write(core, flow.op());
         break;
       case Kind::run: {
         std::exception_ptr failure;
@@ -382,7 +422,9 @@ net::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request reque
   detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator);
   const std::string payload = request.payload;
   const AsyncRun run = [&core, &action, &payload](detail::Flow& flow) -> net::awaitable<Response> {
-    Attempt attempt = AttemptAccess::begin(core, flow.id(), flow.token(), payload);
+    std::optional<Progress> progress = co_await store_call<std::optional<Progress>>(
+        core, [&] { return core.store->begin_steps(flow.id(), flow.token(), payload); });
+    Attempt attempt = AttemptAccess::started(core, flow.id(), flow.token(), std::move(progress));
     std::exception_ptr failure;
     Response response;
     try {
@@ -401,14 +443,32 @@ net::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request reque
 
 net::awaitable<std::string> async_external(Attempt& attempt, std::string step,
                                            AsyncExternalCall call, AsyncLookup lookup) {
-  Attempt::Plan plan = attempt.begin_external(step);
+  detail::CoordinatorCore& core = AttemptAccess::core(attempt);
+  Attempt::Plan plan =
+      co_await store_call<Attempt::Plan>(core, [&] { return attempt.begin_external(step); });
   if (plan.kind == Attempt::Plan::Kind::done) co_return plan.result;
-  if (plan.kind == Attempt::Plan::Kind::look_up && lookup) {
-    std::optional<std::string> found = co_await lookup(plan.key);
-    if (found) co_return attempt.finish_external(step, std::move(*found), true);
+  if (plan.kind == Attempt::Plan::Kind::look_up) {
+    if (lookup) {
+      std::optional<std::string> found = co_await lookup(plan.key);
+      if (found) {
+        co_return co_await store_call<std::string>(
+            core, [&] { return attempt.finish_external(step, std::move(*found), true); });
+      }
+    }
+    co_await store_call<bool>(core, [&] {
+      attempt.begin_call(step);
+      return true;
+    });
   }
   std::string result = co_await call(plan.key);
-  co_return attempt.finish_external(step, std::move(result), false);
+  co_return co_await store_call<std::string>(
+      core, [&] { return attempt.finish_external(step, std::move(result), false); });
+}
+
+net::awaitable<std::string> async_local(Attempt& attempt, std::string step,
+                                        Attempt::LocalWork work) {
+  co_return co_await store_call<std::string>(AttemptAccess::core(attempt),
+                                             [&] { return attempt.local(step, work); });
 }
 
 // --- Maintenance -------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 
 #include "core.hpp"
@@ -15,6 +16,10 @@ struct AttemptAccess {
   // counts a resume. Throws LeaseLostError if `token` is no longer current, or StoreError.
   static Attempt begin(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
                        const std::string& payload);
+  // begin() once begin_steps has answered `progress` (for a driver that made that call itself).
+  static Attempt started(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
+                         std::optional<Progress> progress);
+  static detail::CoordinatorCore& core(Attempt& attempt) noexcept { return attempt.core_; }
   // The action failed: an attempt that recorded a step (or left one pending) is counted and
   // logged as interrupted; its progress stays for the retry.
   static void failed(detail::CoordinatorCore& core, const Attempt& attempt);

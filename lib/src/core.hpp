@@ -19,6 +19,7 @@
 #include "idem/coordinator.hpp"
 #include "inflight.hpp"
 #include "read_first.hpp"
+#include "workers.hpp"
 
 namespace idem::detail {
 
@@ -109,6 +110,11 @@ class CoordinatorCore {
   GroupCommit commits;
   ReadFirst read_first;  // whether calls read their key's record before reserving it
   LostReservations lost;
+  // Where the coroutine front end makes its calls into a store that may wait on a network
+  // (Store::remote()). Declared last, so its threads are joined first.
+  Workers store_threads{kStoreThreads};
+
+  static constexpr std::size_t kStoreThreads = 4;
 
  private:
   std::atomic<std::uint64_t> claims_;  // the next claim's number (a random start)

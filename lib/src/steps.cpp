@@ -163,7 +163,11 @@ std::string Attempt::external(std::string_view step, const ExternalCall& call,
 
 Attempt AttemptAccess::begin(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
                              const std::string& payload) {
-  std::optional<Progress> progress = core.store->begin_steps(id, token, payload);
+  return started(core, id, token, core.store->begin_steps(id, token, payload));
+}
+
+Attempt AttemptAccess::started(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
+                               std::optional<Progress> progress) {
   if (!progress) {
     detail::bump(core.counters.lease_lost);
     core.log(LogLevel::error, "lease_lost", short_hash(id), id.operation, token,

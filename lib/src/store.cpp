@@ -17,6 +17,8 @@ std::unique_ptr<PendingApply> Store::start_apply(std::span<StoreOp* const>) { re
 
 std::size_t Store::concurrent_applies() const noexcept { return 1; }
 
+bool Store::remote() const noexcept { return false; }
+
 void Store::apply(std::span<StoreOp* const> ops) {
   for (StoreOp* p : ops) {
     StoreOp& op = *p;

@@ -49,6 +49,8 @@ std::size_t StoreWrapper::concurrent_applies() const noexcept {
   return target_->concurrent_applies();
 }
 
+bool StoreWrapper::remote() const noexcept { return target_->remote(); }
+
 std::optional<Progress> StoreWrapper::begin_steps(const KeyId& id, std::int64_t token,
                                                   const std::string& request) {
   return target_->begin_steps(id, token, request);

@@ -27,28 +27,41 @@ using AsyncAction = std::function<boost::asio::awaitable<Response>()>;
 // directly from the calling coroutine. Writes (reservations, completions) of all the
 // coroutines that become ready in one turn of the io_context are committed together in one
 // transaction (group commit) by a handler posted to the first writer's executor; each
-// coroutine resumes after its write is committed. On a store that can wait without blocking
-// (PgStore, Store::start_apply) the io_context's reactor waits on the store's socket for the
-// batch, so the thread runs other coroutines meanwhile; reads, renewals and steps still
-// block the calling thread for their round trip. The Coordinator (and its store) must
-// outlive the io_context's pending work: destroy the io_context, or let run() return, first.
+// coroutine resumes after its write is committed. On a store that may wait on a network
+// (Store::remote(): PgStore) the io_context's thread never waits on the store: reads, a round's
+// start (a connect, a batch on a busy store's main connection) and steps run on the
+// coordinator's store threads, and a batch's results are waited for by the io_context's
+// reactor on the store's socket (Store::start_apply), until its deadline. On SqliteStore the
+// calls are made on the calling thread (they wait only for the disk and other processes'
+// locks). The Coordinator (and its store) must outlive the io_context's pending work: destroy
+// the io_context, or let run() return, first.
 boost::asio::awaitable<Outcome> async_call(Coordinator& coordinator, Request request,
                                            AsyncAction action);
 
-// Coordinator::call_steps for coroutines (idem/steps.hpp). The Attempt's steps write to the
-// store from the calling thread (one short transaction each, as a read does).
+// Coordinator::call_steps for coroutines (idem/steps.hpp). Use async_external and async_local
+// for the Attempt's steps: on a store that may wait on a network they write from the
+// coordinator's store threads (so do the reads, the reservation and the completion).
 using AsyncStepsAction = std::function<boost::asio::awaitable<Response>(Attempt&)>;
 boost::asio::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request request,
                                                  AsyncStepsAction action);
 
 // Attempt::external for coroutine calls: the same plan (done, look up first after an unknown
-// outcome, or call with the derived key), the same errors.
+// outcome, or call with the derived key), the same checks and errors. On a store that may wait
+// on a network (Store::remote(): PgStore) the step's writes are made on the coordinator's store
+// threads, never on the io_context's thread.
 using AsyncExternalCall =
     std::function<boost::asio::awaitable<std::string>(const std::string& derived_key)>;
 using AsyncLookup = std::function<boost::asio::awaitable<std::optional<std::string>>(
     const std::string& derived_key)>;
 boost::asio::awaitable<std::string> async_external(Attempt& attempt, std::string step,
                                                    AsyncExternalCall call, AsyncLookup lookup = {});
+
+// Attempt::local for coroutines: the same step, the same errors. On a store that may wait on a
+// network (PgStore) the step's transaction, `work` included, runs on the coordinator's store
+// threads, never on the io_context's thread (so `work` must not touch what only that thread
+// may). A coroutine that calls Attempt::local itself blocks its thread for the step's round trips.
+boost::asio::awaitable<std::string> async_local(Attempt& attempt, std::string step,
+                                                Attempt::LocalWork work);
 
 // --- Maintenance on a schedule (SPEC §7, §8) ---------------------------------------------
 

@@ -156,6 +156,8 @@ class PgStore final : public BatchedStore {
   std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops) override;
   // PgOptions::batch_connections (at least 1).
   std::size_t concurrent_applies() const noexcept override;
+  // True: every call may wait on the server (up to statement_timeout + reply_margin).
+  bool remote() const noexcept override { return true; }
   // PgOptions::notify: wake-ups from other processes (Store::add_change_listener). Throws
   // std::system_error if the listener's thread cannot start.
   std::uint64_t add_change_listener(ChangeListener listener) override;

@@ -297,6 +297,11 @@ class Store {
   // How many apply() or start_apply() calls the store runs at once (it has that many
   // connections); the group commit keeps up to this many batches in flight. Default 1.
   virtual std::size_t concurrent_applies() const noexcept;
+  // Whether a call may wait on a network peer (a database server), not only on this machine's
+  // disk and locks. The coroutine front end (idem/asio.hpp) then makes its reads, writes and
+  // steps on the coordinator's own threads, never on an io_context's thread. Default: false
+  // (SqliteStore); PgStore: true.
+  virtual bool remote() const noexcept;
 
   // ---- Multi-step operations. The defaults throw idem::error(errc::invalid_argument): an
   // engine that keeps no progress cannot run them. SqliteStore and PgStore implement them all.

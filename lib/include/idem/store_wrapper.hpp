@@ -38,6 +38,7 @@ class StoreWrapper : public Store {
   std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops) override;
   // The target's.
   std::size_t concurrent_applies() const noexcept override;
+  bool remote() const noexcept override;
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
