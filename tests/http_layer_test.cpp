@@ -460,3 +460,77 @@ TEST_CASE("http layer: HTTP-dates are IMF-fixdates whatever the locale") {
   CHECK(idem::http_date(idem::TimePoint(milliseconds(951782400999))) ==
         "Tue, 29 Feb 2000 00:00:00 GMT");
 }
+
+TEST_CASE("http layer: an sf-string key's RFC 8941 parameters are accepted and ignored") {
+  CHECK(idem::parse_idempotency_key(R"("k";p=1)") == std::optional<std::string>("k"));
+  CHECK(idem::parse_idempotency_key(R"("k"; a=1;b=?0;c=:aGk=:;d=tok/en;e="s\"";f=-1.25;g)") ==
+        std::optional<std::string>("k"));
+  // Parameters must be well formed, and only follow a string: a bare value is taken whole.
+  for (const char* bad : {R"("k";)", R"("k";P=1)", R"("k";p=)", R"("k" ;p=1)", R"("k"x)",
+                          R"("k";p="open)", R"("k";p=?2)", R"("k";p=:a b:)"}) {
+    CAPTURE(bad);
+    CHECK_FALSE(idem::parse_idempotency_key(bad));
+  }
+  CHECK(idem::parse_idempotency_key("k;p=1") == std::optional<std::string>("k;p=1"));
+  // Over HTTP: the parameters do not make another key.
+  Fixture f;
+  HttpClient c(f.port());
+  CHECK(c.send("POST", "/echo", key(R"("order-8";v=2)"), "x").status == 201);
+  CHECK(c.send("POST", "/echo", key("order-8"), "x").headers.at("idempotent-replayed") == "true");
+  CHECK(f.ran() == 1);
+}
+
+TEST_CASE(
+    "http layer (blocking): session and credential fields go to the caller whose request ran, "
+    "never stored or replayed") {
+  idem::test::World w;
+  idem::http::LayerOptions o;
+  o.unstored_headers.push_back("X-Session-Token");
+  idem::http::Layer layer(*w.idem, o);
+  int ran = 0;
+  const idem::http::Handler login = [&](const idem::http::Request&, const idem::http::Context&) {
+    ++ran;
+    idem::http::Reply r{boost::beast::http::status::created, 11};
+    r.set("Location", "/orders/7");
+    r.set("ETag", "\"v1\"");
+    r.insert("Set-Cookie", "session=first-callers; HttpOnly");
+    r.insert("Set-Cookie", "csrf=abc");
+    r.set("Authentication-Info", "nextnonce=\"x\"");
+    r.set("x-session-token", "tok-1");  // the service's own, matched whatever its case
+    r.body() = "created";
+    r.prepare_payload();
+    return r;
+  };
+  const idem::http::Reply first = layer.handle(post("s1", "q"), login);
+  CHECK(first.count("Set-Cookie") == 2);
+  CHECK(first["Authentication-Info"] == "nextnonce=\"x\"");
+  CHECK(first["X-Session-Token"] == "tok-1");
+  const idem::http::Reply again = layer.handle(post("s1", "q"), login);
+  CHECK(again["Idempotent-Replayed"] == "true");
+  CHECK(again["Location"] == "/orders/7");
+  CHECK(again["ETag"] == "\"v1\"");
+  CHECK(again.count("Set-Cookie") == 0);
+  CHECK(again.count("Authentication-Info") == 0);
+  CHECK(again.count("X-Session-Token") == 0);
+  CHECK(ran == 1);
+  // Not in the store either.
+  const auto record = w.store->load({"default", "POST /report", "s1"});
+  REQUIRE(record);
+  for (const idem::Header& h : record->response.headers) {
+    CAPTURE(h.name);
+    CHECK(h.name != "Set-Cookie");
+    CHECK(h.name != "Authentication-Info");
+    CHECK(h.name != "x-session-token");
+  }
+  CHECK(record->response.headers.size() == 2);  // Location and ETag
+  SUBCASE("an allow-list keeps only the fields it names") {
+    idem::http::LayerOptions only;
+    only.stored_headers = {"location"};
+    idem::http::Layer strict(*w.idem, only);
+    strict.handle(post("s2", "q"), login);
+    const idem::http::Reply replay = strict.handle(post("s2", "q"), login);
+    CHECK(replay["Location"] == "/orders/7");
+    CHECK(replay.count("ETag") == 0);
+    CHECK(replay.count("Set-Cookie") == 0);
+  }
+}

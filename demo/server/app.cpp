@@ -28,6 +28,10 @@ std::optional<Reply> read_failure(const boost::beast::error_code& ec) {
 void finish_reply(Reply& res, bool keep_alive) {
   res.version(11);
   res.set(bh::field::server, "idem-demo");
+  // RFC 9110 §6.6.1: an origin server with a clock sends Date (the layer never stores one).
+  res.set(
+      bh::field::date,
+      http_date(std::chrono::floor<std::chrono::milliseconds>(std::chrono::system_clock::now())));
   if (!res.body().empty() && res.find(bh::field::content_type) == res.end())
     res.set(bh::field::content_type, "application/json");
   res.keep_alive(keep_alive);

@@ -40,8 +40,8 @@ Reply method_not_allowed(std::string_view allow);
 // over the header limit, 400 for malformed HTTP; nullopt where it closes without an answer
 // (closed, timed out, cancelled, cut short).
 std::optional<Reply> read_failure(const boost::beast::error_code& ec);
-// The transport's headers on every reply: HTTP/1.1, Server, a JSON Content-Type when a body
-// has none, keep-alive, and Content-Length unless set.
+// The transport's headers on every reply: HTTP/1.1, Server, Date, a JSON Content-Type when a
+// body has none, keep-alive, and Content-Length unless set.
 void finish_reply(Reply& res, bool keep_alive);
 
 }  // namespace idem::demo

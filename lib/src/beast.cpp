@@ -49,6 +49,12 @@ bool per_message(std::string_view name) {
   return false;
 }
 
+bool named(std::string_view name, const std::vector<std::string>& names) {
+  return std::any_of(names.begin(), names.end(), [name](const std::string& n) {
+    return boost::beast::iequals({name.data(), name.size()}, {n.data(), n.size()});
+  });
+}
+
 std::string_view path_of(const Request& req) {
   const std::string_view target = sv(req.target());
   return target.substr(0, target.find('?'));
@@ -83,6 +89,10 @@ std::function<Fingerprint(const Request&)> json_fields(std::vector<std::string> 
     if (!body.is_object()) throw error(errc::invalid_argument, "the body must be a JSON object");
     return Fingerprint::of(body, fields);
   };
+}
+
+std::vector<std::string> session_fields() {
+  return {"Set-Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"};
 }
 
 bool is_outcome(unsigned status) {
@@ -201,7 +211,9 @@ struct Layer::Impl {
     if (!key) {
       p.answer = key_problem(
           "idempotency_key_invalid", "Invalid idempotency key",
-          fmt::format("{} is neither a bare key nor one RFC 8941 string (a list is not a key)",
+          fmt::format("{} is neither a bare key (no comma, no double quote) nor one RFC 8941 "
+                      "string with well-formed parameters, if any (a comma-separated list is not "
+                      "a key)",
                       o.key_header));
       return p;
     }
@@ -236,8 +248,10 @@ struct Layer::Impl {
     Response s;
     s.status = static_cast<int>(r.result_int());
     for (const auto& f : r) {
-      if (!per_message(sv(f.name_string())))
-        s.headers.push_back({std::string(f.name_string()), std::string(f.value())});
+      const std::string_view name = sv(f.name_string());
+      if (per_message(name) || named(name, o.unstored_headers)) continue;
+      if (!o.stored_headers.empty() && !named(name, o.stored_headers)) continue;
+      s.headers.push_back({std::string(name), std::string(f.value())});
     }
     if (!o.replay_large_bodies && r.body().size() > o.large_body) {
       s.headers.push_back({"Idempotent-Body-Omitted", std::to_string(r.body().size())});
@@ -283,7 +297,12 @@ struct Layer::Impl {
     } catch (const Unstored&) {
       return std::move(*handler_reply);
     } catch (const HandlerThrew& t) {
-      std::rethrow_exception(t.error);
+      // A step's OutcomeUnknownError is idem's own answer to give: never "nothing happened".
+      try {
+        std::rethrow_exception(t.error);
+      } catch (const OutcomeUnknownError& e) {
+        return documented(to_reply(e));
+      }
     } catch (const error& e) {
       return refusal(e, operation);
     }

@@ -8,16 +8,19 @@
 
 namespace idem {
 
-std::optional<std::string> parse_idempotency_key(std::string_view v) {
-  if (v.empty() || v.front() != '"') {
-    if (v.find_first_of(",\"") != std::string_view::npos) return std::nullopt;
-    return std::string(v);
-  }
-  // RFC 8941 sf-string: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
+namespace {
+
+// RFC 8941 sf-string at v[i] (DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE): its
+// value, with i moved past it; nullopt if it is not one.
+std::optional<std::string> sf_string(std::string_view v, std::size_t& i) {
+  if (i >= v.size() || v[i] != '"') return std::nullopt;
   std::string out;
-  for (std::size_t i = 1; i < v.size(); ++i) {
+  for (++i; i < v.size(); ++i) {
     const char c = v[i];
-    if (c == '"') return i + 1 == v.size() ? std::optional<std::string>(out) : std::nullopt;
+    if (c == '"') {
+      ++i;
+      return out;
+    }
     if (c == '\\') {
       if (++i == v.size() || (v[i] != '"' && v[i] != '\\')) return std::nullopt;
       out += v[i];
@@ -28,6 +31,84 @@ std::optional<std::string> parse_idempotency_key(std::string_view v) {
     }
   }
   return std::nullopt;  // no closing quote
+}
+
+bool lcalpha(char c) { return c >= 'a' && c <= 'z'; }
+bool digit(char c) { return c >= '0' && c <= '9'; }
+bool alpha(char c) { return lcalpha(c) || (c >= 'A' && c <= 'Z'); }
+bool tchar(char c) {
+  return alpha(c) || digit(c) ||
+         std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+}
+
+// RFC 8941 bare-item at v[i] (integer, decimal, string, token, byte sequence, boolean), with i
+// moved past it; false if there is none.
+bool bare_item(std::string_view v, std::size_t& i) {
+  if (i >= v.size()) return false;
+  const char c = v[i];
+  if (c == '"') return sf_string(v, i).has_value();
+  if (c == '?') {  // boolean
+    if (i + 1 >= v.size() || (v[i + 1] != '0' && v[i + 1] != '1')) return false;
+    i += 2;
+    return true;
+  }
+  if (c == ':') {  // byte sequence: base64 between colons
+    const std::size_t end = v.find(':', i + 1);
+    if (end == std::string_view::npos) return false;
+    for (std::size_t j = i + 1; j < end; ++j) {
+      if (!alpha(v[j]) && !digit(v[j]) && v[j] != '+' && v[j] != '/' && v[j] != '=') return false;
+    }
+    i = end + 1;
+    return true;
+  }
+  if (c == '-' || digit(c)) {  // integer or decimal
+    std::size_t j = c == '-' ? i + 1 : i;
+    const std::size_t first = j;
+    while (j < v.size() && digit(v[j])) ++j;
+    if (j == first || j - first > 15) return false;
+    if (j < v.size() && v[j] == '.') {
+      const std::size_t fraction = ++j;
+      while (j < v.size() && digit(v[j])) ++j;
+      if (j == fraction || j - fraction > 3) return false;
+    }
+    i = j;
+    return true;
+  }
+  if (alpha(c) || c == '*') {  // token
+    ++i;
+    while (i < v.size() && (tchar(v[i]) || v[i] == ':' || v[i] == '/')) ++i;
+    return true;
+  }
+  return false;
+}
+
+// RFC 8941 parameters from v[i] to the end: *( ";" *SP key [ "=" bare-item ] ).
+bool parameters(std::string_view v, std::size_t i) {
+  while (i < v.size()) {
+    if (v[i++] != ';') return false;
+    while (i < v.size() && v[i] == ' ') ++i;
+    if (i >= v.size() || (!lcalpha(v[i]) && v[i] != '*')) return false;
+    while (i < v.size() && (lcalpha(v[i]) || digit(v[i]) ||
+                            std::string_view("_-.*").find(v[i]) != std::string_view::npos))
+      ++i;
+    if (i < v.size() && v[i] == '=' && !bare_item(v, ++i)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::optional<std::string> parse_idempotency_key(std::string_view v) {
+  if (v.empty() || v.front() != '"') {
+    if (v.find_first_of(",\"") != std::string_view::npos) return std::nullopt;
+    return std::string(v);
+  }
+  std::size_t i = 0;
+  std::optional<std::string> key = sf_string(v, i);
+  // An Item may carry parameters; RFC 8941 lets a recipient ignore those it does not know, and
+  // the key is the string alone.
+  if (!key || !parameters(v, i)) return std::nullopt;
+  return key;
 }
 
 std::string http_date(TimePoint t) {

@@ -17,11 +17,13 @@
 //   422 idempotency_key_reuse - a live key with another fingerprint; the record is untouched;
 //   503 store_unavailable - the store failed under FailureMode::fail_closed;
 //   409 lease_lost - the handler ran but its lease was taken over (its reply is not sent);
+//   503 outcome_unknown - a multi-step handler's step failed after an effect may have happened
+//       (OutcomeUnknownError): retry with the same key, never a new one;
 //   the handler's reply otherwise: stored when LayerOptions::store says so (2xx, 3xx and
 //   4xx but 408/425/429 by default) and then replayed to every duplicate with status, the headers
-//   the handler set and the body bytes, plus "Idempotent-Replayed: true" and
-//   "Idempotency-Key-Expires"; a reply that is not stored (5xx by default) releases the key, so the
-//   retry runs again.
+//   the handler set (but session and credential fields: LayerOptions::unstored_headers) and the
+//   body bytes, plus "Idempotent-Replayed: true" and "Idempotency-Key-Expires"; a reply that is
+//   not stored (5xx by default) releases the key, so the retry runs again.
 // Errors are application/problem+json (RFC 9457) with a stable "error" member (idem/http.hpp).
 //
 // This header brings Beast and Asio; the rest of idem needs neither.
@@ -62,8 +64,16 @@ struct Context {
   Attempt* attempt = nullptr;
 };
 
+// Response fields that carry a session or credentials: Set-Cookie, Set-Cookie2,
+// Authentication-Info, Proxy-Authentication-Info. The layer never stores or replays them by
+// default (LayerOptions::unstored_headers): the first caller gets them from its own handler
+// run; a duplicate, perhaps another person behind the same tenant, never gets the first one's
+// session.
+std::vector<std::string> session_fields();
+
 // The two shapes of handler the layer runs. A handler's exception propagates out of the
-// layer unchanged after the key is released (the retry runs again).
+// layer unchanged after the key is released (the retry runs again), but for an
+// OutcomeUnknownError from one of its steps, which the layer answers as 503 outcome_unknown.
 using Handler = std::function<Reply(const Request&, const Context&)>;
 using AsyncHandler = std::function<boost::asio::awaitable<Reply>(const Request&, const Context&)>;
 
@@ -102,6 +112,14 @@ struct LayerOptions {
   // and 4xx such as a 402 decline are outcomes; a 5xx is a failure and 408, 425 and 429 say
   // "not now": the key is released.
   std::function<bool(const Reply&)> store{};
+
+  // Response fields neither stored nor replayed, matched case-insensitively: the caller whose
+  // request ran gets them, a duplicate never does. Default: session_fields(). Add the service's
+  // own session or credential fields (an X-Session-Token); never empty it without a reason.
+  std::vector<std::string> unstored_headers = session_fields();
+  // If not empty, the only response fields stored and replayed (an allow-list, matched
+  // case-insensitively; unstored_headers still apply). Default: empty, every field but those.
+  std::vector<std::string> stored_headers{};
 
   // Replies with a body over large_body bytes are large. The coordinator keeps bodies
   // over Options::inline_body_limit in its PayloadStore by reference; with

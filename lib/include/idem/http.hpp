@@ -23,9 +23,11 @@ inline constexpr std::string_view kReplayedHeader = "Idempotent-Replayed";
 inline constexpr std::string_view kExpiresHeader = "Idempotency-Key-Expires";
 
 // The key carried by one Idempotency-Key field value: an RFC 8941 sf-string ("..." with \"
-// and \\ escapes, printable ASCII inside), or, as many clients send it, the bare key
-// (no DQUOTE, no comma: a comma-joined list of keys is not one key). nullopt when the
-// value is neither. The key's own rules (1..255 bytes...) are validate_key_part's.
+// and \\ escapes, printable ASCII inside), with any well-formed RFC 8941 parameters after it
+// (`"k";p=1`: accepted and ignored, as RFC 8941 lets a recipient do), or, as many clients send
+// it, the bare key, whole (no DQUOTE, no comma: a comma-joined list of keys is not one key).
+// nullopt when the value is neither. The key's own rules (1..255 bytes...) are
+// validate_key_part's.
 std::optional<std::string> parse_idempotency_key(std::string_view value);
 
 // An IMF-fixdate (RFC 9110 §5.6.7), e.g. "Sun, 06 Nov 1994 08:49:37 GMT".
