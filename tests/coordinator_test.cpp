@@ -458,6 +458,37 @@ TEST_CASE(
   }
 }
 
+TEST_CASE(
+    "coordinator: a record that does not decode is refused, counted and left alone, never run "
+    "again, not even under fail_open") {
+  World w = blocking_world({.on_store_failure = idem::FailureMode::fail_open});
+  w.idem->call(request("k1"), w.charge_action(0ms));
+  const std::string damage = "UPDATE {}idem_keys SET headers = 'not json' WHERE key = 'k1'";
+  if (idem::test::worlds_on_postgresql()) {
+    idem::test::pg_text(idem::test::test_pg_conninfo(),
+                        fmt::format(fmt::runtime(damage), w.pg_schema + "."));
+  } else {
+    REQUIRE(idem::test::RawDb(w.db_path).exec(fmt::format(fmt::runtime(damage), "")) == 0);
+  }
+  for (InFlight policy : {InFlight::wait, InFlight::raise, InFlight::run}) {
+    idem::Request r = request("k1");
+    r.in_flight = policy;
+    try {
+      w.idem->call(r, w.charge_action(0ms));
+      FAIL("the call went on");
+    } catch (const idem::CorruptRecordError& e) {
+      CHECK(e.code() == idem::errc::corrupt_record);
+      CHECK(std::string(e.what()).find("headers") != std::string::npos);
+      CHECK(idem::http_status(e.code()) == 500);
+    }
+  }
+  CHECK(w.charges() == 1);
+  const idem::MetricsSnapshot m = w.idem->metrics();
+  CHECK(m.corrupt_records == 3);
+  CHECK(m.ran_unprotected == 0);
+  CHECK(w.rows() == 1);
+}
+
 TEST_CASE("coordinator: heartbeats keep a slow honest action from being taken over") {
   SUBCASE("with heartbeat: the duplicate at 2 s sees the key in progress") {
     World w = blocking_world({.in_flight = InFlight::raise, .lease = 1s, .heartbeat = 300ms});

@@ -385,6 +385,7 @@ MetricsSnapshot Coordinator::metrics() const {
   m.ran_unprotected = get(c.ran_unprotected);
   m.purged = get(c.purged);
   m.reaped = get(c.reaped);
+  m.corrupt_records = get(c.corrupt_records);
   m.steps_recorded = get(c.steps_recorded);
   m.resumed = get(c.resumed);
   m.reconciled = get(c.reconciled);

@@ -22,6 +22,8 @@ std::string_view to_string(errc code) noexcept {
       return "store_unavailable";
     case errc::outcome_unknown:
       return "outcome_unknown";
+    case errc::corrupt_record:
+      return "corrupt_record";
   }
   return "unknown";
 }
@@ -69,6 +71,12 @@ OutcomeUnknownError::OutcomeUnknownError(std::string step, std::optional<std::st
       result_(std::move(result)) {}
 
 StoreError::StoreError(const std::string& what, int sqlite_code)
-    : error(errc::store_unavailable, what), sqlite_code_(sqlite_code) {}
+    : StoreError(errc::store_unavailable, what, sqlite_code) {}
+
+StoreError::StoreError(errc code, const std::string& what, int sqlite_code)
+    : error(code, what), sqlite_code_(sqlite_code) {}
+
+CorruptRecordError::CorruptRecordError(const std::string& what)
+    : StoreError(errc::corrupt_record, what, 0) {}
 
 }  // namespace idem

@@ -11,6 +11,16 @@
 namespace idem::detail {
 namespace {
 
+bool corrupt(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const CorruptRecordError&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 std::string describe(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
@@ -27,7 +37,7 @@ Loaded read_record(Store& store, const KeyId& id) noexcept {
   Loaded out;
   try {
     out.record = store.load(id);
-  } catch (const StoreError&) {
+  } catch (const StoreError&) {  // CorruptRecordError included
     out.error = std::current_exception();
   }
   return out;
@@ -96,6 +106,7 @@ Effect Flow::next() {
 Effect Flow::after_read() {
   const TimePoint t = core_.now();
   const std::int64_t confirming = std::exchange(confirming_, 0);
+  if (loaded_.error && corrupt(loaded_.error)) refuse_corrupt(loaded_.error);
   if (loaded_.error) {
     if (confirming != 0) {
       // Whether the reservation committed is unknown: it may hold the key for a whole lease
@@ -167,6 +178,7 @@ Effect Flow::after_reserve() {
   Found found{Found::Kind::owned};
   Record* existing = nullptr;
   if (op_.error) {
+    if (corrupt(op_.error)) refuse_corrupt(op_.error);
     store_error_ = op_.error;
     if (!std::exchange(confirmed_once_, true)) {
       // The write failed, and it may have committed all the same (a reply lost on its way
@@ -397,6 +409,14 @@ Effect Flow::unstored(std::string_view why) {
   bump(core_.counters.store_errors);
   log(LogLevel::error, "complete_failed", why);
   return answer(std::move(response_), Outcome::Source::executed, {});
+}
+
+void Flow::refuse_corrupt(const std::exception_ptr& error) {
+  bump(core_.counters.corrupt_records);
+  log(LogLevel::error, "record_corrupt",
+      fmt::format("{}: the call neither runs nor replays; the record is left for an operator",
+                  describe(error)));
+  std::rethrow_exception(error);
 }
 
 Effect Flow::refuse_late(TimePoint now) {

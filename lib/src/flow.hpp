@@ -110,6 +110,9 @@ class Flow {
   Effect after_release();
   Effect after_free();
   Effect after_late();
+  // The key's record does not decode: counted, logged, and the call ends with `error` (a
+  // CorruptRecordError), whatever the failure mode: it neither runs nor replays.
+  [[noreturn]] void refuse_corrupt(const std::exception_ptr& error);
   // The reservation came back too late for the action to run (reserved_until_): releases it
   // and ends the call with LeaseLostError.
   Effect refuse_late(TimePoint now);

@@ -140,6 +140,8 @@ int http_status(errc code) noexcept {
     case errc::store_unavailable:
     case errc::outcome_unknown:
       return 503;
+    case errc::corrupt_record:
+      return 500;
   }
   return 500;
 }
@@ -165,6 +167,8 @@ std::string_view http_error_code(const error& e) noexcept {
       return "store_unavailable";
     case errc::outcome_unknown:
       return "outcome_unknown";
+    case errc::corrupt_record:
+      return "idempotency_record_corrupt";
   }
   return "internal_error";
 }
@@ -202,6 +206,8 @@ Response to_http(const error& e) {
         return "Idempotency store unavailable";
       case errc::outcome_unknown:
         return "Outcome unknown: retry with the same key";
+      case errc::corrupt_record:
+        return "The idempotency record of this key is damaged";
     }
     return "Error";
   };

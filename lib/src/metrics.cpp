@@ -25,6 +25,7 @@ std::string MetricsSnapshot::to_prometheus() const {
   put("ran_unprotected", ran_unprotected, "Actions run without the store.");
   put("purged", purged, "Expired records deleted.");
   put("reaped", reaped, "Abandoned reservations cleared.");
+  put("corrupt_records", corrupt_records, "Calls refused on a stored record that did not decode.");
   put("steps_recorded", steps_recorded, "Steps of multi-step operations recorded.");
   put("resumed", resumed, "Attempts that resumed recorded progress.");
   put("reconciled", reconciled, "Unknown outcomes settled by a lookup instead of a call.");

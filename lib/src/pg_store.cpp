@@ -143,7 +143,7 @@ std::int64_t int_at(const PGresult* r, int row, int col) {
     default:
       break;
   }
-  throw StoreError(fmt::format("postgresql: column {} is not an integer", PQfname(r, col)), 0);
+  throw CorruptRecordError(fmt::format("postgresql: column {} is not an integer", PQfname(r, col)));
 }
 
 // The converse of a time the store wrote: see Impl::to_db.
@@ -160,12 +160,12 @@ Record read_record(const PGresult* r, int row, int first, const Shift& shift) {
   const std::string_view fp = bytes_at(r, row, first);
   Fingerprint::Bytes raw{};
   if (fp.size() != raw.size())
-    throw StoreError("postgresql: a stored fingerprint is not 32 bytes", 0);
+    throw CorruptRecordError("postgresql: a stored fingerprint is not 32 bytes");
   std::copy_n(fp.begin(), raw.size(), raw.begin());
   out.fingerprint = Fingerprint(raw);
   const std::int64_t state = int_at(r, row, first + 1);
   if (state < 1 || state > 3) {
-    throw StoreError(fmt::format("postgresql: a stored state is {}, not 1, 2 or 3", state), 0);
+    throw CorruptRecordError(fmt::format("postgresql: a stored state is {}, not 1, 2 or 3", state));
   }
   out.state = static_cast<State>(state);
   out.token = int_at(r, row, first + 2);

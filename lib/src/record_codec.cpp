@@ -26,7 +26,8 @@ std::vector<Header> headers_from_json(std::string_view text) {
       out.push_back({pair.at(0).get<std::string>(), pair.at(1).get<std::string>()});
     }
   } catch (const nlohmann::json::exception& e) {
-    throw StoreError(std::string("idem: a stored headers column does not decode: ") + e.what(), 0);
+    throw CorruptRecordError(std::string("idem: a stored headers column does not decode: ") +
+                             e.what());
   }
   return out;
 }
@@ -55,7 +56,7 @@ Progress progress_from_json(std::string_view text) {
     if (!origin.is_number_integer() ||
         (origin.is_number_unsigned() &&
          origin.get<std::uint64_t>() > std::uint64_t{std::numeric_limits<std::int64_t>::max()})) {
-      throw StoreError("idem: a stored progress column's origin is not a 64-bit integer", 0);
+      throw CorruptRecordError("idem: a stored progress column's origin is not a 64-bit integer");
     }
     p.origin = origin.get<std::int64_t>();
     for (const auto& s : j.at("steps")) {
@@ -65,7 +66,8 @@ Progress progress_from_json(std::string_view text) {
     if (const auto& pending = j.at("pending"); !pending.is_null())
       p.pending = pending.get<std::string>();
   } catch (const nlohmann::json::exception& e) {
-    throw StoreError(std::string("idem: a stored progress column does not decode: ") + e.what(), 0);
+    throw CorruptRecordError(std::string("idem: a stored progress column does not decode: ") +
+                             e.what());
   }
   return p;
 }

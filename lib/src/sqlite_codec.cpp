@@ -13,7 +13,7 @@ namespace {
 // file holds anything else).
 std::int64_t integer(const sqlite::Statement& s, int column, std::string_view name) {
   if (s.type(column) != sqlite::Statement::Type::integer) {
-    throw StoreError(fmt::format("sqlite: a stored {} is not an integer", name), 0);
+    throw CorruptRecordError(fmt::format("sqlite: a stored {} is not an integer", name));
   }
   return s.int64(column);
 }
@@ -50,14 +50,14 @@ Record read_record(const sqlite::Statement& s) {
   Record r;
   Fingerprint::Bytes bytes{};
   if (s.type(0) != sqlite::Statement::Type::blob || s.blob_view(0).size() != bytes.size()) {
-    throw StoreError("sqlite: a stored fingerprint is not a 32-byte blob", 0);
+    throw CorruptRecordError("sqlite: a stored fingerprint is not a 32-byte blob");
   }
   const std::string_view fp = s.blob_view(0);
   std::copy_n(fp.begin(), bytes.size(), bytes.begin());
   r.fingerprint = Fingerprint(bytes);
   const std::int64_t state = integer(s, 1, "state");
   if (state < static_cast<int>(State::in_progress) || state > static_cast<int>(State::released)) {
-    throw StoreError(fmt::format("sqlite: a stored state is {}, not 1, 2 or 3", state), 0);
+    throw CorruptRecordError(fmt::format("sqlite: a stored state is {}, not 1, 2 or 3", state));
   }
   r.state = static_cast<State>(state);
   r.token = integer(s, 2, "token");

@@ -60,6 +60,14 @@ enum class errc {
   // with a new one: a new key would do it all again. HTTP 503. OutcomeUnknownError says which
   // step and, when known, what it returned.
   outcome_unknown,
+
+  // The key's stored record does not decode (a damaged row, or one written by something else).
+  // idem neither runs the request (the record may say it ran already, or is running: running it
+  // again could do twice what must happen once, so not even FailureMode::fail_open runs it) nor
+  // replays it, and leaves the record as it is. Counted (MetricsSnapshot::corrupt_records) and
+  // logged ("record_corrupt"). Do not retry: an operator repairs or deletes the record.
+  // HTTP 500. CorruptRecordError is a StoreError, so code written for store failures stops too.
+  corrupt_record,
 };
 
 // A short, stable name for an errc ("key_reuse"), for logs and error bodies.
@@ -144,8 +152,17 @@ class StoreError : public error {
   StoreError(const std::string& what, int sqlite_code);
   int sqlite_code() const noexcept { return sqlite_code_; }
 
+ protected:
+  StoreError(errc code, const std::string& what, int sqlite_code);
+
  private:
   int sqlite_code_;
+};
+
+// errc::corrupt_record: what() names the column that does not decode.
+class CorruptRecordError : public StoreError {
+ public:
+  explicit CorruptRecordError(const std::string& what);
 };
 
 }  // namespace idem

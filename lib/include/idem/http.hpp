@@ -34,13 +34,13 @@ std::optional<std::string> parse_idempotency_key(std::string_view value);
 std::string http_date(TimePoint t);
 
 // 400 invalid_key and invalid_argument, 422 key_reuse, 409 in_progress and lease_lost,
-// 503 store_unavailable and outcome_unknown.
+// 503 store_unavailable and outcome_unknown, 500 corrupt_record.
 int http_status(errc code) noexcept;
 
 // The stable "error" code of a problem body: idempotency_key_required (a missing key),
 // idempotency_key_invalid, invalid_request, idempotency_key_reuse, idempotency_key_in_use,
 // lease_lost, store_unavailable, outcome_unknown (an effect may have happened: retry with the
-// same key, never a new one).
+// same key, never a new one), idempotency_record_corrupt.
 std::string_view http_error_code(const error& e) noexcept;
 
 // The outcome as sent: its response, plus "Idempotent-Replayed: true" when replayed.

@@ -22,6 +22,7 @@ struct MetricsSnapshot {
   std::uint64_t ran_unprotected = 0;        // actions run without the store
   std::uint64_t purged = 0;                 // expired records deleted
   std::uint64_t reaped = 0;                 // abandoned reservations cleared
+  std::uint64_t corrupt_records = 0;        // calls refused on a record that did not decode
   // Multi-step operations (idem/steps.hpp).
   std::uint64_t steps_recorded = 0;      // steps recorded with their recovery point
   std::uint64_t resumed = 0;             // attempts that resumed recorded progress
