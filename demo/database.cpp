@@ -1,7 +1,6 @@
 #include "database.hpp"
 
 #include <fmt/format.h>
-#include <libpq-fe.h>
 
 #include <array>
 #include <mutex>
@@ -11,6 +10,7 @@
 #include "checkout.hpp"
 #include "checkout_sql.hpp"
 #include "idem/errors.hpp"
+#include "idem/internal/pg.hpp"      // idem's libpq session, for the orders table
 #include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for the orders table
 #include "idem/pg_store.hpp"
 #include "idem/sqlite_store.hpp"
@@ -59,74 +59,84 @@ class SqliteOrders final : public Database::Orders {
 };
 
 // The orders table in the PostgreSQL database, beside idem's tables (in their schema), on a
-// connection of its own; reconnects once when the connection was lost.
+// connection of its own with idem's session rules (lib/pg: keepalives on both ends, every wait
+// bounded by the statement timeout plus a second). A lost connection is opened again on the
+// next read; after one that stopped answering, reads fail at once for a second first, so a
+// stalled server costs one caller the wait, not each caller queued behind it.
 class PgOrders final : public Database::Orders {
  public:
   PgOrders(std::string uri, std::chrono::milliseconds statement_timeout, std::string schema)
-      : uri_(std::move(uri)), timeout_(statement_timeout), schema_(std::move(schema)) {
+      : parameters_{std::move(uri), pg::Timeouts{.statement = statement_timeout}},
+        schema_(std::move(schema)) {
     const std::lock_guard lock(mutex_);
     connect();
     exec(sql::pg::kOrdersSchema);
-  }
-  ~PgOrders() override {
-    if (conn_ != nullptr) PQfinish(conn_);
   }
 
   std::optional<std::string> find(std::int64_t seq, const std::string& tenant) override {
     const std::string seq_text = std::to_string(seq);
     const char* values[] = {seq_text.c_str(), tenant.c_str()};
     const std::lock_guard lock(mutex_);
-    Result r = query(sql::pg::kFindOrder, 2, values);
+    pg::Result r = query(sql::pg::kFindOrder, 2, values);
     if (PQntuples(r.get()) == 0) return std::nullopt;
     return std::string(PQgetvalue(r.get(), 0, 0));
   }
 
   std::size_t count() override {
     const std::lock_guard lock(mutex_);
-    Result r = query(sql::pg::kCountOrders, 0, nullptr);
+    pg::Result r = query(sql::pg::kCountOrders, 0, nullptr);
     return static_cast<std::size_t>(std::stoull(PQgetvalue(r.get(), 0, 0)));
   }
 
  private:
-  struct Clear {
-    void operator()(PGresult* r) const { PQclear(r); }
-  };
-  using Result = std::unique_ptr<PGresult, Clear>;
-
   [[noreturn]] void fail(std::string_view what, const PGresult* r) {
-    std::string why = r != nullptr ? PQresultErrorMessage(r) : PQerrorMessage(conn_);
-    while (!why.empty() && why.back() == '\n') why.pop_back();
-    throw StoreError(fmt::format("postgresql: {}: {}", what, why), 0);
+    throw StoreError(pg::describe(what, r, session_.get()), 0);
   }
 
   void connect() {
-    if (conn_ != nullptr) PQfinish(conn_);
-    conn_ = PQconnectdb(uri_.c_str());
-    if (conn_ == nullptr) throw StoreError("postgresql: cannot connect: out of memory", 0);
-    if (PQstatus(conn_) != CONNECTION_OK) fail("cannot connect", nullptr);
-    PQsetNoticeProcessor(
-        conn_, [](void*, const char*) {}, nullptr);  // "already exists"
-    char* quoted = PQescapeIdentifier(conn_, schema_.data(), schema_.size());
-    if (quoted == nullptr) fail("quoting the schema", nullptr);
-    const std::string search_path = fmt::format(fmt::runtime(sql::pg::kSearchPath), quoted);
-    PQfreemem(quoted);
-    exec(search_path.c_str());
-    exec(fmt::format(fmt::runtime(sql::pg::kStatementTimeout), timeout_.count()).c_str());
+    if (!session_.connected() && std::chrono::steady_clock::now() < next_attempt_) {
+      throw StoreError("postgresql: the orders connection is down; reconnecting shortly", 0);
+    }
+    try {
+      session_.open(parameters_);
+      PQsetNoticeProcessor(
+          session_.get(), [](void*, const char*) {}, nullptr);  // "exists"
+      char* quoted = PQescapeIdentifier(session_.get(), schema_.data(), schema_.size());
+      if (quoted == nullptr) fail("quoting the schema", nullptr);
+      const std::string search_path = fmt::format(fmt::runtime(sql::pg::kSearchPath), quoted);
+      PQfreemem(quoted);
+      exec(search_path.c_str());
+    } catch (const StoreError&) {
+      lost();
+      throw;
+    }
+  }
+
+  // The connection is gone; one that stopped answering is not tried again for a second.
+  void lost() {
+    session_.close();
+    next_attempt_ = std::chrono::steady_clock::now() +
+                    (session_.timed_out() ? std::chrono::seconds(1) : std::chrono::seconds(0));
   }
 
   void exec(const char* text) {
-    Result r(PQexec(conn_, text));
+    pg::Result r = session_.exec(text);
     if (PQresultStatus(r.get()) != PGRES_COMMAND_OK && PQresultStatus(r.get()) != PGRES_TUPLES_OK)
       fail("the orders table", r.get());
   }
 
-  Result query(const char* text, int n, const char* const* values) {
+  pg::Result query(const char* text, int n, const char* const* values) {
     for (int attempt = 0;; ++attempt) {
-      if (conn_ == nullptr || PQstatus(conn_) != CONNECTION_OK) connect();
-      Result r(PQexecParams(conn_, text, n, nullptr, values, nullptr, nullptr, 0));
-      if (PQresultStatus(r.get()) == PGRES_TUPLES_OK) return r;
-      if (attempt == 0 && PQstatus(conn_) != CONNECTION_OK) continue;  // lost: once more
-      fail("reading orders", r.get());
+      if (!session_.connected() || PQstatus(session_.get()) != CONNECTION_OK) connect();
+      try {
+        pg::Result r = session_.exec_params(text, n, values, nullptr, nullptr, 0);
+        if (PQresultStatus(r.get()) == PGRES_TUPLES_OK) return r;
+        if (attempt == 0 && PQstatus(session_.get()) != CONNECTION_OK) continue;  // once more
+        fail("reading orders", r.get());
+      } catch (const StoreError&) {
+        if (!session_.connected()) lost();
+        throw;
+      }
     }
   }
 
@@ -135,32 +145,31 @@ class PgOrders final : public Database::Orders {
   // transaction; returns how many were new here.
   std::size_t copy(const std::vector<std::array<std::string, 6>>& rows) {
     const std::lock_guard lock(mutex_);
-    if (conn_ == nullptr || PQstatus(conn_) != CONNECTION_OK) connect();
+    if (!session_.connected() || PQstatus(session_.get()) != CONNECTION_OK) connect();
     exec(sql::pg::kBegin);
     std::size_t copied = 0;
     try {
       for (const auto& row : rows) {
         const char* values[6];
         for (std::size_t i = 0; i < 6; ++i) values[i] = row[i].c_str();
-        Result r(PQexecParams(conn_, sql::pg::kCopyOrder, 6, nullptr, values, nullptr, nullptr, 0));
+        pg::Result r = session_.exec_params(sql::pg::kCopyOrder, 6, values, nullptr, nullptr, 0);
         if (PQresultStatus(r.get()) != PGRES_COMMAND_OK) fail("copying an order", r.get());
         if (std::string_view(PQcmdTuples(r.get())) == "1") ++copied;
       }
       exec(sql::pg::kMoveOrderIds);
       exec(sql::pg::kCommit);
     } catch (...) {
-      PQfinish(conn_);  // the transaction goes with the connection
-      conn_ = nullptr;
+      session_.close();  // the transaction goes with the connection
       throw;
     }
     return copied;
   }
 
  private:
-  std::string uri_;
-  std::chrono::milliseconds timeout_;
+  pg::Parameters parameters_;
   std::string schema_;
-  PGconn* conn_ = nullptr;
+  pg::Session session_;                                   // guarded by mutex_
+  std::chrono::steady_clock::time_point next_attempt_{};  // guarded by mutex_
   std::mutex mutex_;
 };
 
@@ -168,9 +177,15 @@ class PgOrders final : public Database::Orders {
 
 Database::Database(const std::string& where, DatabaseOptions options) {
   if (is_postgresql(where)) {
+    // A connection that cannot be made is given up on as soon as a statement would be: a node
+    // whose server stops answering answers its requests within the statement timeout and a
+    // second or two, whatever it was doing.
+    const auto connect_timeout =
+        std::max<std::chrono::milliseconds>(std::chrono::seconds(1), options.busy_timeout);
     store_ = std::make_shared<PgStore>(where, PgOptions{.schema = std::string(kPgSchema),
                                                         .local_clock = options.clock,
-                                                        .statement_timeout = options.busy_timeout});
+                                                        .statement_timeout = options.busy_timeout,
+                                                        .connect_timeout = connect_timeout});
     orders_ = std::make_unique<PgOrders>(where, options.busy_timeout, std::string(kPgSchema));
   } else {
     store_ =

@@ -355,11 +355,12 @@ class FaultProxy {
   // The port the proxy listens on, on 127.0.0.1.
   std::uint16_t port() const { return port_; }
 
-  // Back to the default: no stall, and no armed drop_reply_after().
+  // Back to the default: no stall, and no armed drop_reply_after() or stall_after().
   void pass() {
     control([this] {
       stalled_ = false;
       drop_prefix_.reset();
+      stall_prefix_.reset();
     });
   }
 
@@ -395,6 +396,20 @@ class FaultProxy {
       ++drop_arm_;
     });
   }
+
+  // One-shot: once the next CommandComplete from the server whose tag starts with `tag_prefix`
+  // ("" matches any) has been read, the bytes read with it go on to the client, and then the
+  // proxy stalls as stall() does, until resume(): the statement's answer arrived, the next one
+  // will not. A new call replaces an armed prefix.
+  void stall_after(std::string tag_prefix) {
+    control([&] {
+      stall_prefix_ = std::move(tag_prefix);
+      ++stall_arm_;
+    });
+  }
+
+  // Stalls that stall_after() started so far.
+  std::uint64_t stalls_started() const { return stalls_started_; }
 
   // Connections accepted so far.
   std::uint64_t accepted() const { return accepted_; }
@@ -470,6 +485,8 @@ class FaultProxy {
     bool stalled = false;
     std::optional<std::string> drop_prefix;
     std::uint64_t drop_arm = 0;
+    std::optional<std::string> stall_prefix;
+    std::uint64_t stall_arm = 0;
   };
 
   // Throws std::system_error for errno, naming `what` failed.
@@ -554,6 +571,8 @@ class FaultProxy {
         snapshot.stalled = stalled_;
         snapshot.drop_prefix = drop_prefix_;
         snapshot.drop_arm = drop_arm_;
+        snapshot.stall_prefix = stall_prefix_;
+        snapshot.stall_arm = stall_arm_;
         if (cut_requests_ != cuts_done) {
           connections_.clear();
           cuts_done = cut_requests_;
@@ -725,6 +744,18 @@ class FaultProxy {
     return true;
   }
 
+  // stall_after() fired: this connection's bytes read so far still go to the client in this
+  // pump; from the next iteration on, nothing moves until resume().
+  void stall_from_now(Snapshot& snapshot) {
+    {
+      std::lock_guard lock(mu_);
+      stalled_ = true;
+      if (stall_arm_ == snapshot.stall_arm) stall_prefix_.reset();
+    }
+    snapshot.stall_prefix.reset();
+    ++stalls_started_;
+  }
+
   // Drops the CommandComplete at stream offset `at` and all after it: the server side closes at
   // once, the client gets the bytes before `at` and then its side closes too.
   void drop_reply(Connection& c, std::uint64_t at, Snapshot& snapshot) {
@@ -781,7 +812,12 @@ class FaultProxy {
       progress = progress || n > 0 || c.down.eof;
       if (n > 0 && !c.replies.opaque()) {
         std::optional<std::uint64_t> drop_at;
+        bool stall_now = false;
         c.replies.feed(chunk.data(), n, [&](std::uint64_t start, const std::string& tag) {
+          if (snapshot.stall_prefix && start >= c.down.written &&
+              tag.starts_with(*snapshot.stall_prefix)) {
+            stall_now = true;
+          }
           if (!snapshot.drop_prefix || start < c.down.written ||
               !tag.starts_with(*snapshot.drop_prefix)) {
             return true;
@@ -790,6 +826,7 @@ class FaultProxy {
           return false;
         });
         if (drop_at) drop_reply(c, *drop_at, snapshot);
+        if (stall_now) stall_from_now(snapshot);
       }
     }
     if (c.upstream == Upstream::connected && !c.up.shut) {
@@ -829,24 +866,28 @@ class FaultProxy {
   std::uint16_t port_ = 0;  // set in the constructor, read-only afterwards
   Fd listener_;             // loop thread only, once the loop runs
 
-  // mu_ guards the control state: stalled_, drop_prefix_, drop_arm_, cut_requests_, requests_,
+  // mu_ guards the control state: stalled_, drop_prefix_, drop_arm_, stall_prefix_,
+  // stall_arm_, cut_requests_, requests_,
   // applied_ and loop_done_. The loop reads it once per iteration and sets applied_ (notifying
   // applied_cv_) once it has taken in every request made so far.
   std::mutex mu_;
   std::condition_variable applied_cv_;
   bool stalled_ = false;
-  std::optional<std::string> drop_prefix_;  // armed drop_reply_after() prefix
-  std::uint64_t drop_arm_ = 0;              // drop_reply_after() calls so far
-  std::uint64_t cut_requests_ = 0;          // cut() calls so far
-  std::uint64_t requests_ = 0;              // control calls so far
-  std::uint64_t applied_ = 0;               // control calls the loop has taken in
-  bool loop_done_ = false;                  // the loop has exited
+  std::optional<std::string> drop_prefix_;   // armed drop_reply_after() prefix
+  std::uint64_t drop_arm_ = 0;               // drop_reply_after() calls so far
+  std::optional<std::string> stall_prefix_;  // armed stall_after() prefix
+  std::uint64_t stall_arm_ = 0;              // stall_after() calls so far
+  std::uint64_t cut_requests_ = 0;           // cut() calls so far
+  std::uint64_t requests_ = 0;               // control calls so far
+  std::uint64_t applied_ = 0;                // control calls the loop has taken in
+  bool loop_done_ = false;                   // the loop has exited
 
   // Counters: written by the loop thread, read by any thread.
   std::atomic<std::uint64_t> accepted_{0};
   std::atomic<std::uint64_t> bytes_to_server_{0};
   std::atomic<std::uint64_t> bytes_to_client_{0};
   std::atomic<std::uint64_t> replies_dropped_{0};
+  std::atomic<std::uint64_t> stalls_started_{0};
   std::atomic<std::size_t> open_{0};
 
   std::vector<std::unique_ptr<Connection>> connections_;  // loop thread only

@@ -639,6 +639,32 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "fault proxy: stall_after lets the matching statement's answer through, then holds the next "
+    "until resume") {
+  FAULT_PROXY_SERVER_OR_SKIP(server);
+  FaultProxy proxy(unix_target(server));
+  Scratch scratch(server);
+  Conn c = connect(through(server, proxy.port()));
+  proxy.stall_after("INSERT");
+  CHECK(run(c.get(), "SELECT 1").back().tag == "SELECT 1");  // another tag: passes
+  CHECK(run(c.get(), "INSERT INTO " + scratch.table() + " VALUES (3)").back().tag == "INSERT 0 1");
+  CHECK(proxy.stalls_started() == 1);
+  send_query(c.get(), "INSERT INTO " + scratch.table() + " VALUES (4)");
+  const Answer held = collect(c.get(), kSilence);
+  CHECK_FALSE(held.complete);
+  CHECK(held.results.empty());
+  CHECK(scratch.count(4) == "0");  // it never reached the server
+  proxy.resume();
+  const Answer after = collect(c.get(), kPatience);
+  REQUIRE(after.complete);
+  CHECK(after.results.back().tag == "INSERT 0 1");
+  CHECK(scratch.count(4) == "1");
+  // One-shot: the next INSERT passes.
+  CHECK(run(c.get(), "INSERT INTO " + scratch.table() + " VALUES (5)").back().tag == "INSERT 0 1");
+  CHECK(proxy.stalls_started() == 1);
+}
+
+TEST_CASE(
     "fault proxy: 8 MiB each way go through intact past its 1 MiB buffers, with a drop armed") {
   FAULT_PROXY_SERVER_OR_SKIP(server);
   FaultProxy proxy(unix_target(server));

@@ -584,6 +584,44 @@ TEST_CASE("maintenance: under a load of new keys the database stays bounded once
   CHECK(shop.debits() == 200);
 }
 
+TEST_CASE(
+    "maintenance: with keep_delivered left unset, delivered messages live no longer than the key "
+    "TTL, so under steady load the keys and the outbox level off") {
+  Options o = step_options();
+  o.ttl = std::chrono::minutes(1);
+  Shop shop(o);
+  Maintenance maintenance(*shop.world.idem);  // every job on its own default
+  maintenance.deliver(demo::mail_delivery(shop.mail));
+  RawDb raw(shop.world.db_path);
+  const auto now_ms = [&] { return shop.world.clock->now().time_since_epoch().count(); };
+  std::vector<long long> keys_rows, outbox_rows;
+  long long oldest_delivered_ms = 0;
+  // Five minutes at three new keys a second; maintenance every 10 s (its purge period).
+  for (int second = 1; second <= 300; ++second) {
+    for (int i = 0; i < 3; ++i) {
+      const std::string key = fmt::format("s{}-{}", second, i);
+      shop.checkout(key, shop.order(key));
+    }
+    shop.world.clock->advance(1s);
+    if (second % 10 != 0) continue;
+    run_coroutine(maintenance.run_once());
+    keys_rows.push_back(raw.rows());
+    outbox_rows.push_back(raw.scalar("SELECT count(*) FROM idem_outbox"));
+    const long long first = raw.scalar("SELECT min(next_at) FROM idem_outbox WHERE state = 1");
+    if (first > 0) oldest_delivered_ms = std::max(oldest_delivered_ms, now_ms() - first);
+  }
+  // From the second minute on, each table holds at most a TTL and a maintenance period of keys.
+  for (std::size_t i = 9; i < keys_rows.size(); ++i) {
+    CAPTURE(i);
+    CHECK(keys_rows[i] <= 3 * (60 + 10));
+    CHECK(outbox_rows[i] <= 3 * (60 + 10));
+  }
+  CHECK(oldest_delivered_ms <= (60 + 10) * 1000);  // the TTL plus one maintenance period
+  CHECK(outbox_rows.back() > 0);                   // the load goes on: nothing is lost early
+  CHECK(shop.mails() == 900);
+  CHECK(shop.debits() == 900);
+}
+
 TEST_CASE("maintenance: the loop runs the completer and the outbox on the clock until stopped") {
   Shop shop;
   shop.crash_at("k1", shop.order(), "after order_created");

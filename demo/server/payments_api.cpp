@@ -141,6 +141,8 @@ struct PaymentsApi::Impl {
   std::unique_ptr<Database> db;
   // Operator reads (the whole ledger, page by page) run here, off the io thread.
   net::thread_pool operator_work{1};
+  // Reads of a database server (GET /v1/payments/{id}, /readyz) run here, off the io thread.
+  net::thread_pool reads{1};
   // Purge, reap, the completer and the outbox, on their own thread.
   std::unique_ptr<Maintenance> maintenance;
   net::thread_pool maintenance_work{1};
@@ -203,6 +205,7 @@ struct PaymentsApi::Impl {
     maintenance->stop();
     maintenance_work.join();
     operator_work.join();
+    reads.join();
   }
 
   // The one Authorization field's value; nullopt when absent or sent more than once.
@@ -256,13 +259,9 @@ struct PaymentsApi::Impl {
       cause = e.what();
     } catch (const StoreError& e) {
       cause = e.what();
-    } catch (const LeaseLostError& e) {
-      // Another request took the key over (this one was paused, or its store stalled): that
-      // one answers for the payment; this one called nothing after its lease ended.
-      co_return problem_reply(
-          409, "lease_lost", "Payment taken over",
-          fmt::format("{}; retry with the same key to get the payment's answer", e.what()));
     }
+    // (A LeaseLostError goes on to the layer, which answers 409 lease_lost: this request no
+    // longer holds the key, and its answer must never become the key's stored outcome.)
     const std::string* charge = attempt.known_result("debited");
     if (!attempt.may_have_effects()) {
       co_return problem_reply(
@@ -287,22 +286,60 @@ struct PaymentsApi::Impl {
     co_return r;
   }
 
-  Reply find(std::string_view id, const std::string& tenant) {
+  // Runs `read` (a call into the database) off the io thread when the database is a server
+  // (PostgreSQL: a read may wait up to its deadline), on the reads thread; inline on SQLite.
+  template <class T, class F>
+  net::awaitable<T> database_read(F read) {
+    if (!db->store()->remote()) co_return read();
+    // (named, not a temporary: g++ 12 destroys temporaries in a co_await expression twice)
+    auto on_reads = [read]() -> net::awaitable<T> { co_return read(); };
+    co_return co_await net::co_spawn(reads, std::move(on_reads), net::use_awaitable);
+  }
+
+  net::awaitable<Reply> find(std::string_view id, const std::string& tenant) {
     const std::optional<std::int64_t> seq =
         id.starts_with("pay_") ? positive_number(id.substr(4)) : std::nullopt;
-    std::optional<std::string> order;
-    try {
-      if (seq) order = db->find_order(*seq, tenant);
-    } catch (const StoreError& e) {
-      return problem_reply(503, "store_unavailable", "Payments unavailable",
-                           fmt::format("{}; retry", e.what()));
+    struct Found {
+      std::optional<std::string> order;
+      std::string failure;
+    };
+    // (named, not a temporary: g++ 12 destroys temporaries in a co_await expression twice)
+    const auto read = [this, seq, tenant] {
+      Found f;
+      try {
+        if (seq) f.order = db->find_order(*seq, tenant);
+      } catch (const StoreError& e) {
+        f.failure = e.what();
+      }
+      return f;
+    };
+    Found found = co_await database_read<Found>(read);
+    if (!found.failure.empty()) {
+      co_return problem_reply(503, "store_unavailable", "Payments unavailable",
+                              fmt::format("{}; retry", found.failure));
     }
-    if (!order) {
-      return problem_reply(404, "not_found", "No such payment",
-                           "no payment with this id for this API key");
+    if (!found.order) {
+      co_return problem_reply(404, "not_found", "No such payment",
+                              "no payment with this id for this API key");
     }
     // Re-serialised with sorted keys: the bytes the checkout answered with.
-    return json_reply(200, json::parse(*order));
+    co_return json_reply(200, json::parse(*found.order));
+  }
+
+  // Readiness: whether the store answers a read now (within its own deadline), asked off the io
+  // thread. Liveness (/healthz) asks nothing of the store.
+  net::awaitable<Reply> ready() {
+    const auto probe = [this]() -> std::string {
+      try {
+        idem->store().load(KeyId{"-", "readiness", "probe"});
+        return {};
+      } catch (const std::exception& e) {
+        return e.what();
+      }
+    };
+    std::string failure = co_await database_read<std::string>(probe);
+    if (!failure.empty()) co_return problem_reply(503, "store_unavailable", "Not ready", failure);
+    co_return json_reply(200, {{"status", "ready"}});
   }
 
   // The mail journal (every tenant's mail): GET /v1/mail, an operator route.
@@ -378,9 +415,13 @@ net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
   const std::string path = target.substr(0, target.find('?'));
   const bool get = req.method() == bh::verb::get;
   try {
-    if (path == "/healthz") {
+    if (path == "/healthz") {  // liveness: this process answers; the store is not asked
       if (!get) co_return method_not_allowed("GET");
       co_return json_reply(200, {{"status", "ok"}});
+    }
+    if (path == "/readyz") {  // readiness: the store answers a read
+      if (!get) co_return method_not_allowed("GET");
+      co_return co_await d.ready();
     }
     if (path == "/v1/idempotency") {
       if (!get) co_return method_not_allowed("GET");
@@ -426,7 +467,7 @@ net::awaitable<Reply> PaymentsApi::handle(Request req, Peer peer) {
       co_return co_await d.layer->async_handle(req, d.create_handler);
     }
     if (!get) co_return method_not_allowed("GET");
-    co_return d.find(std::string_view(path).substr(13), *tenant);
+    co_return co_await d.find(std::string_view(path).substr(13), *tenant);
   } catch (const std::exception& e) {
     co_return problem_reply(500, "internal_error", "Internal error", e.what());
   }

@@ -297,9 +297,13 @@ struct Layer::Impl {
     } catch (const Unstored&) {
       return std::move(*handler_reply);
     } catch (const HandlerThrew& t) {
-      // A step's OutcomeUnknownError is idem's own answer to give: never "nothing happened".
+      // A step's own errors are idem's answers to give: the request lost the key (its reply
+      // never stored as the key's outcome), or an effect may have happened (never "nothing
+      // happened").
       try {
         std::rethrow_exception(t.error);
+      } catch (const LeaseLostError& e) {
+        return refusal(e, operation);
       } catch (const OutcomeUnknownError& e) {
         return documented(to_reply(e));
       }

@@ -282,6 +282,8 @@ Dispatcher::Dispatcher(Coordinator& coordinator, Delivery delivery, OutboxOption
                 "dispatcher: max_retry must not be below first_retry");
   detail::check(options_.claim_for.count() > 0, "dispatcher: claim_for must be positive");
   detail::check(options_.batch > 0, "dispatcher: batch must be at least 1");
+  detail::check(!options_.keep_delivered || options_.keep_delivered->count() >= 0,
+                "dispatcher: keep_delivered must not be negative");
 }
 
 DispatchReport Dispatcher::run_once() {
@@ -333,10 +335,11 @@ DispatchReport Dispatcher::run_once() {
 
 std::size_t Dispatcher::purge() {
   detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator_);
+  const std::chrono::milliseconds keep =
+      std::min(options_.keep_delivered.value_or(core.options.ttl), core.options.ttl);
   std::size_t total = 0;
   for (;;) {
-    const std::size_t n =
-        core.store->purge_outbox(core.now() - options_.keep_delivered, options_.batch);
+    const std::size_t n = core.store->purge_outbox(core.now() - keep, options_.batch);
     total += n;
     if (n < options_.batch) return total;
   }

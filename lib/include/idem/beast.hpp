@@ -72,8 +72,9 @@ struct Context {
 std::vector<std::string> session_fields();
 
 // The two shapes of handler the layer runs. A handler's exception propagates out of the
-// layer unchanged after the key is released (the retry runs again), but for an
-// OutcomeUnknownError from one of its steps, which the layer answers as 503 outcome_unknown.
+// layer unchanged after the key is released (the retry runs again), but for idem's own errors
+// from its steps, which the layer answers: LeaseLostError as 409 lease_lost, OutcomeUnknownError
+// as 503 outcome_unknown (neither stored).
 using Handler = std::function<Reply(const Request&, const Context&)>;
 using AsyncHandler = std::function<boost::asio::awaitable<Reply>(const Request&, const Context&)>;
 

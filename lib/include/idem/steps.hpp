@@ -207,8 +207,11 @@ struct OutboxOptions {
   std::chrono::milliseconds claim_for{std::chrono::seconds(30)};
   // Messages claimed at once. Default: 100.
   std::size_t batch = 100;
-  // Delivered messages are purged this long after delivery. Default: 24 h.
-  std::chrono::milliseconds keep_delivered{std::chrono::hours(24)};
+  // Delivered messages are purged this long after delivery, and never later than the
+  // coordinator's TTL (Options::ttl), so the outbox stays bounded as the keys do. (A receiver
+  // deduplicates on the message id; a delivered message is never sent again, so nothing needs
+  // it kept longer.) nullopt: the TTL.
+  std::optional<std::chrono::milliseconds> keep_delivered{};
 };
 
 struct DispatchReport {
@@ -235,7 +238,8 @@ class Dispatcher {
   // Claims due messages and delivers them, batch after batch, until none is due. Throws
   // StoreError if the outbox cannot be read; a failed delivery is counted and retried later.
   DispatchReport run_once();
-  // Deletes messages delivered longer than keep_delivered ago. Returns how many.
+  // Deletes messages delivered longer than keep_delivered (at most the TTL) ago. Returns how
+  // many.
   std::size_t purge();
 
  private:
