@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
       ->add_option("--mutation", sim.mutation,
                    "Break idem on purpose to watch the simulator catch it")
       ->check(CLI::IsMember({"complete_without_token_check", "wait_runs_unprotected",
-                             "release_without_wake", "takeover_reuses_token"}));
+                             "release_without_wake", "takeover_reuses_token", "skip_lease_check"}));
 
   idem::demo::CheckoutArgs k;
   std::string checkout_dedup = "on";

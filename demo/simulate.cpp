@@ -25,6 +25,7 @@ test_control::Mutation mutation_named(const std::string& name) {
   if (name == "wait_runs_unprotected") return Mutation::wait_runs_unprotected;
   if (name == "release_without_wake") return Mutation::release_without_wake;
   if (name == "takeover_reuses_token") return Mutation::takeover_reuses_token;
+  if (name == "skip_lease_check") return Mutation::skip_lease_check;
   throw std::invalid_argument(fmt::format("unknown mutation '{}'", name));
 }
 
@@ -47,7 +48,7 @@ int run_simulate(const SimulateArgs& args) {
   const auto wall_end = wall_start + std::chrono::duration<double, std::ratio<60>>(args.minutes);
   const double cpu_start = cpu_seconds();
   std::uint64_t ran = 0, failed = 0;
-  std::size_t requests = 0, attempts = 0, events = 0, crashes = 0, faults = 0;
+  std::size_t requests = 0, attempts = 0, events = 0, crashes = 0, faults = 0, pauses = 0;
   long long simulated_ms = 0;
   std::array<std::size_t, sim::kInvariantCount> checked{};
   std::optional<sim::ScenarioResult> drawn;  // the first failure, else the first scenario
@@ -67,6 +68,7 @@ int run_simulate(const SimulateArgs& args) {
     events += r.events;
     crashes += r.crashes;
     faults += r.faults;
+    pauses += r.pauses;
     simulated_ms += r.simulated_ms;
     for (std::size_t i = 0; i < checked.size(); ++i) checked[i] += r.checked[i];
     if (!r.ok()) {
@@ -89,12 +91,13 @@ int run_simulate(const SimulateArgs& args) {
   std::cout << fmt::format(
       "simulated {} scenarios (seeds {}..{}): {} failed\n"
       "{:.0f} scenarios per CPU-minute ({:.2f} CPU s); an average scenario: {:.1f} requests, "
-      "{:.1f} attempts, {:.1f} events, {:.2f} crashes, {:.2f} store faults, {:.0f} simulated ms\n",
+      "{:.1f} attempts, {:.1f} events, {:.2f} crashes, {:.2f} store faults, {:.2f} pauses, {:.0f} "
+      "simulated ms\n",
       ran, seed - ran, seed == 0 ? 0 : seed - 1, failed,
       cpu > 0 ? static_cast<double>(ran) * 60.0 / cpu : 0.0, cpu, static_cast<double>(requests) / n,
       static_cast<double>(attempts) / n, static_cast<double>(events) / n,
       static_cast<double>(crashes) / n, static_cast<double>(faults) / n,
-      static_cast<double>(simulated_ms) / n);
+      static_cast<double>(pauses) / n, static_cast<double>(simulated_ms) / n);
   std::cout << "each invariant judged:";
   for (std::size_t i = 0; i < checked.size(); ++i) {
     std::cout << fmt::format("{} {} {}", i == 0 ? "" : ",",

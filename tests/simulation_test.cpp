@@ -79,6 +79,7 @@ TEST_CASE("simulation: the suite's seeded scenarios (10,000) hold every invarian
   REQUIRE(seeds > 0);
   std::uint64_t failed = 0;
   std::size_t requests = 0, attempts = 0, crashes = 0, faults = 0, charges = 0, events = 0;
+  std::size_t pauses = 0;
   std::array<std::size_t, idem::sim::kInvariantCount> checked{};
   for (std::uint64_t seed = 1; seed <= seeds; ++seed) {
     const idem::sim::ScenarioResult r = idem::sim::simulate(seed, options);
@@ -87,18 +88,20 @@ TEST_CASE("simulation: the suite's seeded scenarios (10,000) hold every invarian
     attempts += r.attempts;
     crashes += r.crashes;
     faults += r.faults;
+    pauses += r.pauses;
     charges += r.charges;
     events += r.events;
     if (!r.ok() && failed++ < 3) FAIL_CHECK(idem::sim::describe(r));
   }
   MESSAGE(
       fmt::format("{} scenarios: {} requests, {} attempts, {} events, {} charges, {} crashes, "
-                  "{} store faults",
-                  seeds, requests, attempts, events, charges, crashes, faults));
+                  "{} store faults, {} pauses and held or lost replies",
+                  seeds, requests, attempts, events, charges, crashes, faults, pauses));
   CHECK(failed == 0);
   // The seeds really exercise what the invariants are about.
   CHECK(crashes > seeds / 10);
   CHECK(faults > seeds / 10);
+  CHECK(pauses > seeds / 10);
   CHECK(attempts > requests);
   CHECK(charges > seeds);
   // Every invariant had something to judge, many times over.
@@ -150,4 +153,8 @@ TEST_CASE("simulation catches a release that forgets to wake its waiters") {
 
 TEST_CASE("simulation catches a takeover that reuses the old token") {
   expect_caught(Mutation::takeover_reuses_token, Invariant::tokens_grow);
+}
+
+TEST_CASE("simulation catches an owner that calls out without confirming its lease") {
+  expect_caught(Mutation::skip_lease_check, Invariant::called_in_lease);
 }

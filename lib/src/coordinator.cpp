@@ -100,7 +100,7 @@ CoordinatorCore::CoordinatorCore(std::shared_ptr<Store> s, Options o)
       options(std::move(o)),
       clock(options.clock ? options.clock : std::make_shared<SystemClock>()),
       changes(*store, inflight),
-      commits(*store),
+      commits(*store, clock.get()),
       claims_(std::random_device{}() * 0x100000001ULL + std::random_device{}()) {}
 
 std::int64_t CoordinatorCore::new_claim() {

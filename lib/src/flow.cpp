@@ -174,6 +174,7 @@ Effect Flow::after_free() {
 Effect Flow::after_reserve() {
   const TimePoint t = core_.now();
   if (op_.contended) core_.read_first.contended();
+  reserved_until_ = op_.lease_until;  // counted from when the write went to the store
   Reservation& r = op_.reservation;
   Found found{Found::Kind::owned};
   Record* existing = nullptr;
@@ -218,7 +219,8 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
       const bool takeover = r.kind == Reservation::Kind::taken_over;
       if (!std::exchange(looked_, true)) core_.read_first.fresh();
       token_ = r.token;
-      if (!call_.steps && now + call_.margin >= reserved_until_) {
+      if (!call_.steps && now + call_.margin >= reserved_until_ &&
+          !test_control::enabled(test_control::Mutation::skip_lease_check)) {
         // The reservation came back with less than the call margin of its lease left (a reply
         // that was slow, an owner that was paused): the store may let another call take the key
         // over while the action runs. The action is not run; the key is released.

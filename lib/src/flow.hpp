@@ -138,8 +138,8 @@ class Flow {
 
   std::int64_t token_ = 0;  // Mode::reserved: this call's fencing token
   // When the last reservation this call sent ends at the latest, on the call's clock: its
-  // lease, counted from before it was sent (the store started it later, or not at all). A
-  // single-step call runs its action only with Call::margin of it left.
+  // lease, counted from when the write went to the store (the store started it then or later,
+  // or not at all). A single-step call runs its action only with Call::margin of it left.
   TimePoint reserved_until_{};
   // A reservation whose write failed, by its claim, while a read tells whether it committed
   // all the same; 0 otherwise. Only a call's first failed reservation is looked up, so a store

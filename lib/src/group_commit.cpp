@@ -182,6 +182,16 @@ std::shared_ptr<GroupCommit::Round> GroupCommit::take(std::unique_lock<std::mute
   if (next_leader) next_leader->tell(Signal::lead);
   r->ops.reserve(r->batch.size());
   for (const Pending& p : r->batch) r->ops.push_back(p.op);
+  if (clock_ != nullptr) {
+    const TimePoint now = clock_->now();
+    for (StoreOp* op : r->ops) {
+      const auto waited = now - op->now;
+      if (waited.count() <= 0) continue;
+      op->now += waited;
+      if (op->lease_until != TimePoint{}) op->lease_until += waited;
+      if (op->expires_at != TimePoint{}) op->expires_at += waited;
+    }
+  }
   return r;
 }
 

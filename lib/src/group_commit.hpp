@@ -45,8 +45,13 @@ namespace idem::detail {
 // Thread-safety: safe for concurrent use.
 class GroupCommit {
  public:
-  explicit GroupCommit(Store& store)
-      : store_(store), max_rounds_(std::max<std::size_t>(1, store.concurrent_applies())) {}
+  // With `clock`, a round's ops count their times from when the round goes to the store
+  // (StoreOp::now and the times made from it move forward by what the op waited in the queue),
+  // so a write that waited behind a stalled round starts its lease when it is applied.
+  explicit GroupCommit(Store& store, const Clock* clock = nullptr)
+      : store_(store),
+        clock_(clock),
+        max_rounds_(std::max<std::size_t>(1, store.concurrent_applies())) {}
   GroupCommit(const GroupCommit&) = delete;
   GroupCommit& operator=(const GroupCommit&) = delete;
 
@@ -131,6 +136,7 @@ class GroupCommit {
   void apply(Round& r) noexcept;
 
   Store& store_;
+  const Clock* clock_;            // null: ops keep their times
   const std::size_t max_rounds_;  // Store::concurrent_applies(), at least 1
   std::mutex mutex_;
   std::vector<Pending> queue_;  // guarded by mutex_

@@ -10,6 +10,7 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/use_awaitable.hpp>
+#include <cerrno>
 #include <deque>
 #include <map>
 #include <memory>
@@ -20,6 +21,7 @@
 #include <set>
 #include <system_error>
 
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include "idem/asio.hpp"
@@ -57,6 +59,8 @@ const char* to_string(Invariant i) noexcept {
       return "waiters_wake";
     case Invariant::finished:
       return "finished";
+    case Invariant::called_in_lease:
+      return "called_in_lease";
   }
   return "?";
 }
@@ -81,6 +85,20 @@ struct Config {
   milliseconds reap_every{2000};
   int tenants = 1;
   int keys = 1;
+  // Whether the multi-step operation's provider deduplicates on the derived key. Without it
+  // only idem keeps the charge single, but for a pause during the call itself (after the lease
+  // was confirmed), which no owner can see.
+  bool psp_dedup = true;
+};
+
+// Where an owner is frozen (a GC pause, a stopped process) or its store's reply is held, on
+// its first attempt: the faults that are not crashes.
+enum class Pause {
+  none,
+  late_reservation,  // the reservation commits; its reply reaches the owner `pause_for` later
+  lost_reservation,  // the reservation commits; `pause_for` later the owner hears an error
+  before_step,       // multi-step: the owner freezes after it began, before its external step
+  in_call,           // the owner freezes after its lease was confirmed, before the charge lands
 };
 
 struct PlannedRequest {
@@ -92,9 +110,11 @@ struct PlannedRequest {
   int key = 0;
   long long amount = 0;
   int retries = 0;
-  std::uint64_t seed = 0;  // its own randomness: faults per attempt, jitter
-  milliseconds stall{0};   // a pause after the charge (GC, swap): the lease may end meanwhile
-  bool faults = true;      // the provider may time out or decline its charges
+  std::uint64_t seed = 0;     // its own randomness: faults per attempt, jitter
+  milliseconds stall{0};      // a pause after the charge (GC, swap): the lease may end meanwhile
+  bool faults = true;         // the provider may time out or decline its charges
+  Pause pause = Pause::none;  // on the first attempt
+  milliseconds pause_for{0};
 };
 
 struct PlannedCrash {
@@ -108,6 +128,7 @@ struct PlannedFault {
   int process = 0;
   Operation operation = Operation::reserve;
   milliseconds lasts{0};
+  bool lose = false;  // the operation's writes take effect and their replies are lost
 };
 
 struct Plan {
@@ -153,6 +174,7 @@ Plan make_plan(std::uint64_t seed, const ScenarioOptions& options) {
   c.latency = milliseconds(rng.range(0, 8) * 50);
   c.tenants = static_cast<int>(rng.range(1, 2));
   c.keys = static_cast<int>(rng.range(1, 3));
+  c.psp_dedup = rng.percent(50);
   const std::size_t n =
       options.requests != 0 ? options.requests : static_cast<std::size_t>(rng.range(2, 6));
   const bool reuse = rng.percent(20);
@@ -170,6 +192,13 @@ Plan make_plan(std::uint64_t seed, const ScenarioOptions& options) {
     r.seed = rng.next();
     r.faults = rng.percent(40);
     if (rng.percent(8)) r.stall = c.lease * rng.range(1, 3) + 1ms;
+    if (rng.percent(20)) {
+      constexpr Pause kPauses[] = {Pause::late_reservation, Pause::lost_reservation,
+                                   Pause::before_step, Pause::in_call};
+      r.pause = kPauses[rng.below(std::size(kPauses))];
+      // Half a lease (the owner goes on in time) to three leases (another may take over).
+      r.pause_for = c.lease * rng.range(1, 6) / 2 + 1ms;
+    }
     p.requests.push_back(r);
   }
   if (rng.percent(25)) {
@@ -181,13 +210,19 @@ Plan make_plan(std::uint64_t seed, const ScenarioOptions& options) {
     }
   }
   if (rng.percent(20)) {
-    constexpr Operation kOps[] = {Operation::reserve, Operation::complete, Operation::release,
-                                  Operation::renew,   Operation::load,     Operation::purge};
+    constexpr Operation kOps[] = {
+        Operation::reserve, Operation::complete,     Operation::release,
+        Operation::renew,   Operation::load,         Operation::purge,
+        Operation::steps,   Operation::mark_pending, Operation::store_if_absent,
+        Operation::reap};
     const auto faults = rng.range(1, 2);
     for (long long i = 0; i < faults; ++i) {
-      p.faults.push_back({milliseconds(rng.range(0, 40) * 25),
-                          static_cast<int>(rng.below(static_cast<std::uint64_t>(c.processes))),
-                          kOps[rng.below(std::size(kOps))], milliseconds(rng.range(1, 20) * 50)});
+      PlannedFault f{milliseconds(rng.range(0, 40) * 25),
+                     static_cast<int>(rng.below(static_cast<std::uint64_t>(c.processes))),
+                     kOps[rng.below(std::size(kOps))], milliseconds(rng.range(1, 20) * 50)};
+      // Writes whose replies are lost, a third of the time (a read's lost reply is a failure).
+      f.lose = f.operation != Operation::load && rng.percent(33);
+      p.faults.push_back(f);
     }
   }
   return p;
@@ -207,6 +242,14 @@ const char* operation_name(Operation op) {
       return "load";
     case Operation::purge:
       return "purge";
+    case Operation::steps:
+      return "a step's write";
+    case Operation::mark_pending:
+      return "mark_pending";
+    case Operation::store_if_absent:
+      return "store_if_absent";
+    case Operation::reap:
+      return "reap";
     default:
       return "other";
   }
@@ -217,27 +260,47 @@ std::string key_name(const Plan& p, const PlannedRequest& r) {
   return fmt::format("{}/{}/k{}", kTenants[r.tenant], kOperations[r.operation], r.key);
 }
 
+const char* pause_name(Pause pause) {
+  switch (pause) {
+    case Pause::late_reservation:
+      return "its reservation's reply comes late by";
+    case Pause::lost_reservation:
+      return "its reservation's reply is lost after";
+    case Pause::before_step:
+      return "it freezes before its external step for";
+    case Pause::in_call:
+      return "it freezes in its call, after the lease check, for";
+    case Pause::none:
+      break;
+  }
+  return "";
+}
+
 std::string describe_plan(const Plan& p) {
   const Config& c = p.config;
   std::string out = fmt::format(
       "config: in_flight={} {} processes={} lease={}ms heartbeat={}ms provider_latency={}ms "
-      "max_wait={}ms reap_after={}ms\n",
+      "max_wait={}ms reap_after={}ms multi-step provider {}\n",
       to_string(c.policy), c.mode == FailureMode::fail_open ? "fail_open" : "fail_closed",
       c.processes, c.lease.count(), c.heartbeat.count(), c.latency.count(), c.max_wait.count(),
-      c.reap_after.count());
+      c.reap_after.count(), c.psp_dedup ? "deduplicates" : "does not deduplicate");
   for (const auto& r : p.requests) {
     out += fmt::format(
-        "request c{}: t={}ms to p{} key {} amount {} retries {}{}{}\n", r.id, r.at.count(),
+        "request c{}: t={}ms to p{} key {} amount {} retries {}{}{}{}\n", r.id, r.at.count(),
         r.process, key_name(p, r), r.amount, r.retries, r.faults ? " provider-faults" : "",
-        r.stall.count() ? fmt::format(" stall {}ms after charging", r.stall.count()) : "");
+        r.stall.count() ? fmt::format(" stall {}ms after charging", r.stall.count()) : "",
+        r.pause != Pause::none
+            ? fmt::format("; first attempt: {} {}ms", pause_name(r.pause), r.pause_for.count())
+            : "");
   }
   for (const auto& c2 : p.crashes) {
     out += fmt::format("crash: p{} at t={}ms, restarts {}ms later\n", c2.process, c2.at.count(),
                        c2.restart_after.count());
   }
   for (const auto& f : p.faults) {
-    out += fmt::format("store fault: p{} {} fails from t={}ms for {}ms\n", f.process,
-                       operation_name(f.operation), f.at.count(), f.lasts.count());
+    out += fmt::format("store fault: p{} {} {} from t={}ms for {}ms\n", f.process,
+                       operation_name(f.operation), f.lose ? "loses its replies" : "fails",
+                       f.at.count(), f.lasts.count());
   }
   return out;
 }
@@ -297,6 +360,7 @@ class Pool {
     tx.commit();
     bank_->clear();
     psp_->clear();
+    plain_->clear();
     taken_ = 0;
   }
 
@@ -328,6 +392,7 @@ class Pool {
   void end() {
     bank_->on_event(nullptr);
     psp_->on_event(nullptr);
+    plain_->on_event(nullptr);
     clock_.target = nullptr;
   }
 
@@ -341,6 +406,7 @@ class Pool {
 
   Provider& bank() { return *bank_; }
   Provider& psp() { return *psp_; }
+  Provider& plain() { return *plain_; }
 
  private:
   // The provider's clock: the current scenario's.
@@ -370,6 +436,9 @@ class Pool {
     // The multi-step operation pays through a provider that honours idempotency keys, as
     // seed 000's design requires of every external step (the derived key).
     psp_ = std::make_unique<Provider>(clock_ptr_, ProviderOptions{.latency = 0ms, .dedup = true});
+    // Or through one that does not (a legacy bank API), where only idem keeps it single.
+    plain_ =
+        std::make_unique<Provider>(clock_ptr_, ProviderOptions{.latency = 0ms, .dedup = false});
     clear_keys_.emplace(janitor_.get(), sql::kClearKeys);
     clear_outbox_.emplace(janitor_.get(), sql::kClearOutbox);
     clear_orders_.emplace(janitor_.get(), sql::kClearOrders);
@@ -389,7 +458,7 @@ class Pool {
   std::shared_ptr<Clock> clock_ptr_;  // not owning: the clock lives in the pool
   std::vector<std::shared_ptr<SqliteStore>> stores_;
   std::size_t taken_ = 0;
-  std::unique_ptr<Provider> bank_, psp_;
+  std::unique_ptr<Provider> bank_, psp_, plain_;
   std::optional<sqlite::Statement> clear_keys_, clear_outbox_, clear_orders_, orders_, oldest_;
 };
 
@@ -426,22 +495,56 @@ class Recorder final : public StoreWrapper {
 
 // A process's view of time: the world's clock until the process dies; then nothing it
 // scheduled ever runs (its waits, heartbeats and sleeps stop where they were, as in a process
-// that was killed).
+// that was killed). While it is frozen (a GC pause, a stopped process), what falls due waits
+// for the freeze to end.
 class ProcessClock final : public Clock {
  public:
   explicit ProcessClock(std::shared_ptr<SimulatedClock> world) : world_(std::move(world)) {}
   TimePoint now() const override { return world_->now(); }
   TimerId call_at(TimePoint at, std::function<void()> fn) override {
-    return world_->call_at(at, [alive = alive_, fn = std::move(fn)] {
-      if (*alive) fn();
-    });
+    return schedule(state_, world_, 0, at, std::move(fn));
   }
-  void cancel(TimerId id) override { world_->cancel(id); }
-  void stop() { *alive_ = false; }
+  void cancel(TimerId id) override {
+    // A timer put off by a freeze runs under another id of the world's.
+    for (auto it = state_->moved.find(id); it != state_->moved.end(); it = state_->moved.find(id)) {
+      id = it->second;
+      state_->moved.erase(it);
+    }
+    world_->cancel(id);
+  }
+  void stop() { state_->alive = false; }
+  // Nothing of this process runs before `until` (its timers wait; see the action's pauses).
+  void freeze_until(TimePoint until) {
+    state_->frozen_until = std::max(state_->frozen_until, until);
+  }
+  bool frozen() const { return world_->now() < state_->frozen_until; }
 
  private:
+  struct State {
+    bool alive = true;
+    TimePoint frozen_until{};
+    std::map<TimerId, TimerId> moved;  // a timer's first id to the id it was put off to
+  };
+  // Schedules `fn` at `at` on the world's clock; `first` is the id callers know it by (0: this
+  // is that id). Returns the world's id.
+  static TimerId schedule(const std::shared_ptr<State>& state,
+                          const std::shared_ptr<SimulatedClock>& world, TimerId first, TimePoint at,
+                          std::function<void()> fn) {
+    auto self = std::make_shared<TimerId>(first);
+    const TimerId id = world->call_at(at, [state, world, self, fn = std::move(fn)]() mutable {
+      if (!state->alive) return;
+      if (world->now() < state->frozen_until) {
+        state->moved[*self] = schedule(state, world, *self, state->frozen_until, std::move(fn));
+        return;
+      }
+      if (*self != 0) state->moved.erase(*self);
+      fn();
+    });
+    if (first == 0) *self = id;
+    return id;
+  }
   std::shared_ptr<SimulatedClock> world_;
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  std::shared_ptr<State> state_ = std::make_shared<State>();
 };
 
 // What a client waits on while a process serves its request: the answer, or the process's
@@ -473,6 +576,8 @@ struct Reply {
   std::exception_ptr error;
 };
 
+class Wire;
+
 struct Process {
   int slot = 0;
   int generation = 0;
@@ -480,8 +585,63 @@ struct Process {
   std::shared_ptr<ProcessClock> clock;
   std::shared_ptr<SqliteStore> sqlite;
   std::shared_ptr<FaultyStore> faulty;
+  std::shared_ptr<Wire> wire;  // between the coordinator and `faulty`
   std::unique_ptr<Coordinator> coordinator;
   std::vector<Reply*> waiting;  // the replies its clients wait for, in the order they began
+  // The reservation token the last reply of each key carried to this process, and when: the
+  // action that runs on it starts at that instant.
+  std::map<std::string, std::pair<std::int64_t, TimePoint>> replies;
+  // The executions (indexes) inside their calls now, lease confirmed and charge not landed: a
+  // freeze of the process pauses each of them during its call.
+  std::set<std::size_t> in_call;
+};
+
+// A reservation's reply the wire holds back: it comes `delay` late, or an error comes instead
+// (the write committed all the same), as a stalled connection or one cut after the COMMIT would.
+struct HeldReply {
+  milliseconds delay{0};
+  bool lost = false;
+};
+
+// A batch whose reply is held: it committed when it was sent; its results reach the
+// coordinator when the world's clock signals an eventfd, so the coordinator waits for it as for
+// a real database's socket (Store::start_apply).
+class HeldPending final : public PendingApply {
+ public:
+  HeldPending(SimulatedClock& clock, TimePoint due, std::function<void()> deliver)
+      : clock_(clock), fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)), deliver_(std::move(deliver)) {
+    if (fd_ < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+    timer_ = clock_.call_at(due, [fd = fd_] {
+      const std::uint64_t one = 1;
+      [[maybe_unused]] const ssize_t n = ::write(fd, &one, sizeof one);
+    });
+  }
+  ~HeldPending() override {
+    clock_.cancel(timer_);
+    ::close(fd_);
+  }
+  HeldPending(const HeldPending&) = delete;
+  HeldPending& operator=(const HeldPending&) = delete;
+
+  int descriptor() const noexcept override { return done_ ? -1 : fd_; }
+  std::chrono::steady_clock::time_point deadline() const noexcept override {
+    return std::chrono::steady_clock::time_point::max();  // simulated time decides
+  }
+  bool done() const noexcept override { return done_; }
+  void advance() noexcept override {
+    std::uint64_t n = 0;
+    if (done_ || ::read(fd_, &n, sizeof n) != sizeof n) return;
+    done_ = true;
+    deliver_();
+  }
+  void fail(std::exception_ptr) noexcept override { done_ = true; }
+
+ private:
+  SimulatedClock& clock_;
+  int fd_;
+  std::function<void()> deliver_;
+  Clock::TimerId timer_ = 0;
+  bool done_ = false;
 };
 
 struct Answer {
@@ -498,6 +658,9 @@ struct Execution {
   std::string key;
   bool charged = false;
   bool clean = false;  // its call answered with its stored result, in a live process
+  // It froze during its call, after the lease was confirmed (Pause::in_call): the window no
+  // owner can close, which only a downstream that deduplicates does.
+  bool paused_in_call = false;
 };
 
 class ProcessDied : public std::runtime_error {
@@ -520,6 +683,29 @@ struct Pending {
   bool progressed = false;
 };
 
+// The wire between a process's coordinator and its store: it notes the reservation token each
+// reply carries to the process (for called_in_lease), and holds back the replies of the
+// reservations planned to come late or be lost (HeldReply).
+class Wire final : public StoreWrapper {
+ public:
+  Wire(std::shared_ptr<Store> target, World& w, Process& p)
+      : StoreWrapper(std::move(target)), w_(w), p_(p) {}
+  // The next reservation of `key` through this wire: its batch's reply is held.
+  void hold_next_reservation(const std::string& key, HeldReply held) { held_[key] = held; }
+  void apply(std::span<StoreOp* const> ops) override;
+  std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops) override;
+  // A look after a lost reply that finds the reservation is how the owner learns its token.
+  std::optional<Record> load(const KeyId& id) override;
+
+ private:
+  // The batch's reply reaches the process: the tokens of the reservations it granted.
+  void heard(std::span<StoreOp* const> ops);
+  World& w_;
+  Process& p_;
+  std::map<std::string, HeldReply> held_;
+  std::map<std::string, std::int64_t> lost_;  // reservations whose reply was lost, by key
+};
+
 struct World {
   const Plan& plan;
   bool tracing;
@@ -532,14 +718,17 @@ struct World {
   Pool& pool = Pool::mine();
   Provider* bank = &pool.bank();
   Provider* psp = &pool.psp();
-  std::vector<std::unique_ptr<Process>> incarnations;  // every process that ever ran
-  std::vector<Process*> slots;                         // the current one of each slot
+  Provider* plain = &pool.plain();
+  Provider* shop = plan.config.psp_dedup ? psp : plain;  // the multi-step operation's
+  std::vector<std::unique_ptr<Process>> incarnations;    // every process that ever ran
+  std::vector<Process*> slots;                           // the current one of each slot
   std::deque<Execution> executions;
   std::vector<Answer> answers;
   std::map<std::string, KeyLog> keys;
   std::map<std::string, std::vector<std::shared_ptr<Pending>>> pending;
   int next_call = 0;
   std::size_t finished_clients = 0, attempts = 0, crashes = 0, faults = 0, events = 0;
+  std::size_t pauses = 0;
   bool store_trouble = false;           // a planned store fault or a crash happened
   std::optional<TimePoint> last_round;  // when the reaper last ran a whole round
   bool stalls = false;
@@ -550,10 +739,12 @@ struct World {
     if (tracing) {
       bank->on_event([this](TimePoint at, const std::string& line) { note_at(at, "bank", line); });
       psp->on_event([this](TimePoint at, const std::string& line) { note_at(at, "psp", line); });
+      plain->on_event([this](TimePoint at, const std::string& line) { note_at(at, "psp", line); });
     }
     for (int i = 0; i < plan.config.processes; ++i) slots.push_back(boot(i, 0));
-    stalls = std::any_of(p.requests.begin(), p.requests.end(),
-                         [](const PlannedRequest& r) { return r.stall.count() > 0; });
+    stalls = std::any_of(p.requests.begin(), p.requests.end(), [](const PlannedRequest& r) {
+      return r.stall.count() > 0 || r.pause != Pause::none;
+    });
     store_trouble = !p.crashes.empty() || !p.faults.empty();
   }
 
@@ -587,6 +778,7 @@ struct World {
     p->generation = generation;
     p->sqlite = pool.take();
     p->faulty = std::make_shared<FaultyStore>(std::make_shared<Recorder>(p->sqlite, *this));
+    p->wire = std::make_shared<Wire>(p->faulty, *this, *p);
     Options o;
     o.in_flight = plan.config.policy;
     o.on_store_failure = plan.config.mode;
@@ -605,7 +797,7 @@ struct World {
                             e.message.empty() ? "" : ": ", e.message));
       };
     }
-    p->coordinator = std::make_unique<Coordinator>(p->faulty, std::move(o));
+    p->coordinator = std::make_unique<Coordinator>(p->wire, std::move(o));
     incarnations.push_back(std::move(p));
     return incarnations.back().get();
   }
@@ -679,13 +871,56 @@ struct World {
     if (!p->alive) return;
     ++faults;
     note(fmt::format("p{}", f.process),
-         fmt::format("store {} starts failing", operation_name(f.operation)));
-    p->faulty->fail(f.operation, true);
-    clock->call_at(clock->now() + f.lasts, [this, p, op = f.operation, slot = f.process] {
+         fmt::format("store {} starts {}", operation_name(f.operation),
+                     f.lose ? "losing its replies" : "failing"));
+    if (f.lose) {
+      p->faulty->lose_replies(f.operation, true);
+    } else {
+      p->faulty->fail(f.operation, true);
+    }
+    clock->call_at(clock->now() + f.lasts, [this, p, f] {
       if (!p->alive) return;
-      p->faulty->fail(op, false);
-      note(fmt::format("p{}", slot), fmt::format("store {} works again", operation_name(op)));
+      if (f.lose) {
+        p->faulty->lose_replies(f.operation, false);
+      } else {
+        p->faulty->fail(f.operation, false);
+      }
+      note(fmt::format("p{}", f.process),
+           fmt::format("store {} works again", operation_name(f.operation)));
     });
+  }
+
+  // An action (a single-step call's) or an external step's call starts under `token`: the
+  // token must hold the key, and its lease (as granted or renewed) must still run.
+  void check_call(const std::string& key, std::int64_t token, std::string_view what) {
+    judged(Invariant::called_in_lease);
+    const KeyLog& k = keys[key];
+    const TimePoint now = clock->now();
+    if (token == k.newest_token && now < k.lease_until) return;
+    violate(
+        Invariant::called_in_lease,
+        fmt::format("{}: {} started under token {} at t={}ms, but {}", key, what, token, ms(now),
+                    token != k.newest_token
+                        ? fmt::format("token {} holds the key", k.newest_token)
+                        : fmt::format("its lease ended at t={}ms", ms(k.lease_until))));
+  }
+
+  // Execution `e` of `p` is in its call (the lease confirmed, the charge not landed); if `p` is
+  // frozen, it is paused there already.
+  void entered_call(Process& p, std::size_t e) {
+    p.in_call.insert(e);
+    if (p.clock->frozen()) executions[e].paused_in_call = true;
+  }
+
+  // The owner of `p` freezes for `d` (its process's timers wait; its caller's coroutine
+  // sleeps): every call of that process under way is paused in its call.
+  net::awaitable<void> freeze(Process& p, const PlannedRequest& r, milliseconds d) {
+    if (tracing) note(fmt::format("c{}", r.id), fmt::format("freezes {}ms", d.count()));
+    ++pauses;
+    for (std::size_t e : p.in_call) executions[e].paused_in_call = true;
+    const TimePoint until = clock->now() + d;
+    p.clock->freeze_until(until);
+    co_await async_sleep_until(*clock, until);
   }
 
   // One round of the reaper, on the first live process. A reservation that was already overdue
@@ -729,6 +964,80 @@ struct World {
   void run();
   void check();
 };
+
+void Wire::heard(std::span<StoreOp* const> ops) {
+  for (const StoreOp* op : ops) {
+    if (op->kind != StoreOp::Kind::reserve || op->error ||
+        op->reservation.kind == Reservation::Kind::existing)
+      continue;
+    p_.replies[fmt::format("{}/{}/{}", op->id->tenant, op->id->operation, op->id->key)] = {
+        op->reservation.token, w_.clock->now()};
+  }
+}
+
+std::optional<Record> Wire::load(const KeyId& id) {
+  std::optional<Record> r = StoreWrapper::load(id);
+  if (lost_.empty() || !r) return r;
+  const std::string key = fmt::format("{}/{}/{}", id.tenant, id.operation, id.key);
+  const auto it = lost_.find(key);
+  // (the coordinator goes on with it only if it is still live)
+  if (it != lost_.end() && it->second == r->token && r->state == State::in_progress &&
+      r->live_at(w_.clock->now()))
+    p_.replies[key] = {r->token, w_.clock->now()};
+  if (it != lost_.end()) lost_.erase(it);
+  return r;
+}
+
+void Wire::apply(std::span<StoreOp* const> ops) {
+  StoreWrapper::apply(ops);
+  heard(ops);
+}
+
+std::unique_ptr<PendingApply> Wire::start_apply(std::span<StoreOp* const> ops) {
+  if (held_.empty()) return nullptr;  // the reply comes at once: apply()
+  std::optional<HeldReply> held;
+  std::vector<StoreOp*> reservations;
+  for (StoreOp* op : ops) {
+    if (op->kind != StoreOp::Kind::reserve) continue;
+    const auto it =
+        held_.find(fmt::format("{}/{}/{}", op->id->tenant, op->id->operation, op->id->key));
+    if (it == held_.end()) continue;
+    held = it->second;
+    held_.erase(it);
+    reservations.push_back(op);
+  }
+  if (!held) return nullptr;
+  ++w_.pauses;
+  StoreWrapper::apply(ops);  // the batch commits now; its reply is what comes late
+  std::vector<StoreOp*> batch(ops.begin(), ops.end());
+  // The owner learns the token all the same (a lost reply's owner finds it by its claim): a
+  // call that runs on it starts when the reply, or the error, arrives.
+  const auto deliver = [this, batch, reservations, lost = held->lost] {
+    if (!lost) return heard(batch);
+    for (StoreOp* op : reservations) {
+      if (op->error) continue;
+      if (op->reservation.kind != Reservation::Kind::existing) {
+        lost_[fmt::format("{}/{}/{}", op->id->tenant, op->id->operation, op->id->key)] =
+            op->reservation.token;
+      }
+      op->reservation = {};
+      op->error = std::make_exception_ptr(
+          StoreError("simulated lost reply: the reservation committed, its answer never came", 0));
+    }
+    std::vector<StoreOp*> rest;
+    for (StoreOp* op : batch) {
+      if (std::find(reservations.begin(), reservations.end(), op) == reservations.end())
+        rest.push_back(op);
+    }
+    heard(rest);
+  };
+  if (w_.tracing) {
+    w_.note(fmt::format("p{}", p_.slot),
+            fmt::format("holds a batch's reply for {}ms{}", held->delay.count(),
+                        held->lost ? ", then loses it" : ""));
+  }
+  return std::make_unique<HeldPending>(*w_.clock, w_.clock->now() + held->delay, deliver);
+}
 
 net::awaitable<void> maintenance(World& w) {
   const Config& c = w.plan.config;
@@ -781,7 +1090,7 @@ net::awaitable<void> serve(Process& p, Request request, bool steps, AsyncAction 
 
 // One attempt of a request on process `p`. Returns true when the client has its final
 // answer.
-net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng& rng) {
+net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng& rng, bool first) {
   const std::string key = key_name(w.plan, r);
   const int call = ++w.next_call;
   ++w.attempts;
@@ -805,11 +1114,26 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
   request.operation = kOperations[r.operation];
   request.key = fmt::format("k{}", r.key);
   request.fingerprint = Fingerprint::of(nlohmann::json{{"amount", r.amount}});
-  AsyncAction action = [&w, &r, &p, exec, call, key, fault]() -> net::awaitable<Response> {
+  // The pause planned for this attempt, if it is the first.
+  const Pause pause = first ? r.pause : Pause::none;
+  if (pause == Pause::late_reservation || pause == Pause::lost_reservation) {
+    p.wire->hold_next_reservation(key, HeldReply{r.pause_for, pause == Pause::lost_reservation});
+  }
+  AsyncAction action = [&w, &r, &p, exec, call, key, fault, pause]() -> net::awaitable<Response> {
     Execution& e = w.executions[exec];
     if (!p.alive) throw ProcessDied();
     w.progressed(key, call);
     if (w.tracing) w.note(fmt::format("c{}", r.id), fmt::format("runs the action on p{}", p.slot));
+    // It runs on the reservation whose reply just reached the process (none under
+    // InFlight::run, or unprotected under fail_open).
+    if (const auto it = p.replies.find(key);
+        it != p.replies.end() && it->second.second == w.clock->now())
+      w.check_call(key, it->second.first, "the action");
+    // A pause of a single-step call before its charge is a pause during its call: the lease was
+    // confirmed before the action began.
+    w.entered_call(p, exec);
+    if (pause == Pause::in_call || pause == Pause::before_step)
+      co_await w.freeze(p, r, r.pause_for);
     // The request travels to the bank for half the latency, is charged there, and the answer
     // travels back for the other half (a process that dies meanwhile was charged).
     const milliseconds half = w.plan.config.latency / 2;
@@ -825,6 +1149,7 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
       if (fault == Fault::charged_then_timeout) e.charged = true;
       timed_out = std::current_exception();
     }
+    p.in_call.erase(exec);  // the charge has landed (or not at all)
     const TimePoint back = w.clock->now() + half;
     co_await async_sleep_until(*p.clock, back);
     if (timed_out) std::rethrow_exception(timed_out);
@@ -838,25 +1163,33 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
 
   // The multi-step operation: the charge is an external step (derived key, looked up after an
   // unknown outcome), the order a local step in the store's transaction.
-  AsyncStepsAction steps = [&w, &r, &p, exec, call, key,
-                            fault](Attempt& a) -> net::awaitable<Response> {
+  AsyncStepsAction steps = [&w, &r, &p, exec, call, key, fault,
+                            pause](Attempt& a) -> net::awaitable<Response> {
     if (!p.alive) throw ProcessDied();
     w.progressed(key, call);
     if (w.tracing) w.note(fmt::format("c{}", r.id), fmt::format("runs the steps on p{}", p.slot));
-    AsyncExternalCall pay = [&w, &r, &p, key, fault,
-                             exec](const std::string& derived) -> net::awaitable<std::string> {
+    // Frozen between its reservation and its external step: the lease may end, and the step's
+    // pending mark must then refuse it.
+    if (pause == Pause::before_step) co_await w.freeze(p, r, r.pause_for);
+    if (!p.alive) throw ProcessDied();
+    AsyncExternalCall pay = [&w, &r, &p, &a, key, fault, exec,
+                             pause](const std::string& derived) -> net::awaitable<std::string> {
+      w.check_call(key, a.token(), "the external step");
+      w.entered_call(p, exec);
+      if (pause == Pause::in_call) co_await w.freeze(p, r, r.pause_for);
       const milliseconds half = w.plan.config.latency / 2;
       const TimePoint there = w.clock->now() + half;
       co_await async_sleep_until(*p.clock, there);
-      if (fault) w.psp->inject(*fault);
+      if (fault) w.shop->inject(*fault);
       ChargeResult c;
       std::exception_ptr timed_out;
       try {
-        c = co_await async_charge(*w.psp, key, r.amount, derived);
+        c = co_await async_charge(*w.shop, key, r.amount, derived);
         w.executions[exec].charged = !c.declined && !c.deduplicated;
       } catch (const ProviderTimeout&) {
         timed_out = std::current_exception();
       }
+      p.in_call.erase(exec);  // the charge has landed (or not at all)
       const TimePoint back = w.clock->now() + half;
       co_await async_sleep_until(*p.clock, back);
       if (timed_out) std::rethrow_exception(timed_out);
@@ -864,7 +1197,7 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
     };
     AsyncLookup lookup =
         [&w](const std::string& derived) -> net::awaitable<std::optional<std::string>> {
-      const std::optional<Charge> found = w.psp->find(derived);
+      const std::optional<Charge> found = w.shop->find(derived);
       co_return found ? std::optional<std::string>(found->id) : std::nullopt;
     };
     std::string step = "charge";
@@ -931,6 +1264,8 @@ net::awaitable<bool> attempt(World& w, const PlannedRequest& r, Process& p, Rng&
     final = !lost();
   } catch (const LeaseLostError&) {
     said = "<- 500 lease lost";
+  } catch (const OutcomeUnknownError& e) {
+    if (w.tracing) said = fmt::format("<- 503 outcome unknown: {}", e.what());
   } catch (const StoreError& e) {
     if (w.tracing) said = fmt::format("<- 503 {}", e.what());
   } catch (const ProviderTimeout&) {
@@ -956,7 +1291,7 @@ net::awaitable<void> client(World& w, const PlannedRequest& r) {
   for (int tries = 0;;) {
     Process* p = w.reach(r.process);
     if (p != nullptr) {
-      const bool final = co_await attempt(w, r, *p, rng);
+      const bool final = co_await attempt(w, r, *p, rng, tries == 0);
       if (final || ++tries > r.retries) break;
     }
     // Backoff with jitter, as a careful client retries.
@@ -991,8 +1326,13 @@ void World::check() {
   for (const auto& e : executions) {
     if (e.charged && !e.clean) ++unclean[e.key];
   }
-  // The multi-step operation: one charge and one order per key, whatever happened.
-  for (const auto& c : psp->charges()) charges_of[c.order_id].push_back(c.id);
+  // The multi-step operation: one charge and one order per key, whatever happened, but for a
+  // pause during a call through a provider that does not deduplicate.
+  for (const auto& c : shop->charges()) charges_of[c.order_id].push_back(c.id);
+  std::map<std::string, std::size_t> paused_in_call;
+  for (const auto& e : executions) {
+    if (e.paused_in_call) ++paused_in_call[e.key];
+  }
   std::map<std::string, std::vector<std::string>> orders_of;
   for (auto& [key, charge] : pool.orders()) orders_of[key].push_back(charge);
   for (const auto& [key, ids] : orders_of) {
@@ -1004,14 +1344,16 @@ void World::check() {
   }
   for (const auto& [key, ids] : charges_of) {
     judged(Invariant::at_most_once);
-    if (key.find(kOperations[kCheckout]) != std::string::npos && ids.size() > 1) {
+    const std::size_t allowed = plan.config.psp_dedup ? 1 : 1 + paused_in_call[key];
+    if (key.find(kOperations[kCheckout]) != std::string::npos && ids.size() > allowed) {
       violate(Invariant::at_most_once,
-              fmt::format("{}: the multi-step operation charged {} times ({})", key, ids.size(),
-                          fmt::format("{}", fmt::join(ids, ", "))));
+              fmt::format("{}: the multi-step operation charged {} times ({}), {} allowed", key,
+                          ids.size(), fmt::format("{}", fmt::join(ids, ", ")), allowed));
     }
   }
   if (plan.config.policy != InFlight::run) {
     for (const auto& [key, ids] : charges_of) {
+      if (key.find(kOperations[kCheckout]) != std::string::npos) continue;  // its own rule above
       if (ids.size() > 1 + unclean[key]) {
         violate(
             Invariant::at_most_once,
@@ -1168,7 +1510,8 @@ bool Recorder::set_recovery_point(const KeyId& id, std::int64_t token, const std
 bool Recorder::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
                             const std::string& step, const LeaseCheck& lease) {
   if (!StoreWrapper::mark_pending(id, token, origin, step, lease)) return false;
-  applied_under(id, token, fmt::format("step '{}' marked pending", step));
+  KeyLog& k = applied_under(id, token, fmt::format("step '{}' marked pending", step));
+  if (token == k.newest_token) k.lease_until = std::max(k.lease_until, lease.renew_to);
   return true;
 }
 
@@ -1206,6 +1549,7 @@ ScenarioResult run_plan(const Plan& plan, bool tracing) {
   out.processes = static_cast<std::size_t>(plan.config.processes);
   out.crashes = w.crashes;
   out.faults = w.faults;
+  out.pauses = w.pauses;
   out.charges = w.bank->charge_count();
   out.events = w.events;
   out.simulated_ms = w.ms(w.clock->now());

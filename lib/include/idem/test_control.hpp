@@ -12,6 +12,8 @@ enum class Mutation : unsigned {
   wait_runs_unprotected,         // InFlight::wait behaves as InFlight::run
   release_without_wake,          // a release does not wake this process's waiters
   takeover_reuses_token,         // a takeover keeps the expired holder's token
+  skip_lease_check,              // an owner calls out without confirming its lease (a single-step
+                                 // call after a late reservation, an external step's mark)
 };
 
 // Turns `m` on or off for the whole process. Thread-safety: safe from any thread; calls

@@ -40,9 +40,12 @@ enum class Invariant {
                     // all of them once its answer is stored, at least one after a release
                     // (unless a later call took the key first)
   finished,         // every client got a final answer, or gave up after its retries
+  called_in_lease,  // every action and every external step's call starts under the key's
+                    // newest token, with its lease (as granted or renewed) still running: an
+                    // owner that was paused, or whose reply came late, never calls out
 };
 
-inline constexpr std::size_t kInvariantCount = 9;
+inline constexpr std::size_t kInvariantCount = 10;
 
 const char* to_string(Invariant i) noexcept;
 
@@ -77,6 +80,7 @@ struct ScenarioResult {
   std::vector<TraceEvent> trace;  // when recorded
   // Size, for reporting.
   std::size_t requests = 0, attempts = 0, processes = 0, crashes = 0, faults = 0, charges = 0;
+  std::size_t pauses = 0;  // owners frozen, and replies held back or lost
   std::size_t events = 0;  // handlers and clock instants the scenario ran
   long long simulated_ms = 0;
   // How often each invariant had something to judge (indexed by Invariant): keys whose
