@@ -512,8 +512,10 @@ TEST_CASE(
 
 TEST_CASE("conformance fixture: POST /_fixture/corrupt is for loopback peers only") {
   idem::test::TempDir dir;
-  idem::demo::ConformanceApp app({.db = dir.file("peers.db")});
-  const auto ask = [&](const std::string& address) {
+  idem::demo::ConformanceApp plain({.db = dir.file("peers.db")});
+  idem::demo::ConformanceApp tenants(
+      {.db = dir.file("tenants.db"), .fixture = {.tenant_header = "X-Caller"}});
+  const auto ask = [&](const std::string& address, idem::demo::ConformanceApp& app) {
     idem::demo::Request req{boost::beast::http::verb::post, "/_fixture/corrupt", 11};
     req.body() = R"({"path": "/resources", "key": "k"})";
     req.prepare_payload();
@@ -523,11 +525,14 @@ TEST_CASE("conformance fixture: POST /_fixture/corrupt is for loopback peers onl
     io.run();
     return static_cast<int>(answer.get().result_int());
   };
-  CHECK(ask("192.0.2.7") == 403);
-  CHECK(ask("10.0.0.1") == 403);
-  CHECK(ask("2001:db8::1") == 403);
-  CHECK(ask("127.0.0.1") == 404);  // allowed; there is no such record
-  CHECK(ask("127.1.2.3") == 404);
-  CHECK(ask("::1") == 404);
-  CHECK(ask("::ffff:127.0.0.1") == 404);
+  CHECK(ask("192.0.2.7", plain) == 403);
+  CHECK(ask("10.0.0.1", plain) == 403);
+  CHECK(ask("2001:db8::1", plain) == 403);
+  CHECK(ask("127.0.0.1", plain) == 404);  // allowed; there is no such record
+  CHECK(ask("127.1.2.3", plain) == 404);
+  CHECK(ask("::1", plain) == 404);
+  CHECK(ask("::ffff:127.0.0.1", plain) == 404);
+  // The peer is checked first: another host learns nothing about the tenant field.
+  CHECK(ask("192.0.2.7", tenants) == 403);
+  CHECK(ask("127.0.0.1", tenants) == 400);  // no X-Caller
 }

@@ -315,11 +315,8 @@ struct ConformanceApp::Impl {
 
   // POST /_fixture/corrupt: the record of (tenant, "<method> <path>", key) damaged outside
   // the layer, so that it no longer decodes.
-  Reply corrupt(const Request& req, const Peer& peer, const std::string& tenant) const {
-    if (!loopback(peer.address)) {
-      return problem_reply(403, "forbidden", "Forbidden",
-                           "only a loopback peer may damage a stored record");
-    }
+  // (a loopback peer's: handle() refused the others)
+  Reply corrupt(const Request& req, const std::string& tenant) const {
     const nlohmann::json j = nlohmann::json::parse(req.body(), nullptr, false);
     if (!j.is_object()) return bad_request("the body must be a JSON object");
     const auto text = [&](const char* member) -> const nlohmann::json* {
@@ -395,9 +392,13 @@ net::awaitable<Reply> ConformanceApp::handle(Request req, Peer peer) {
   }
   if (path == "/_fixture/corrupt") {
     if (req.method() != bh::verb::post) co_return method_not_allowed("POST");
+    if (!loopback(peer.address)) {
+      co_return problem_reply(403, "forbidden", "Forbidden",
+                              "only a loopback peer may damage a stored record");
+    }
     auto tenant = d.caller(req);
     if (auto* refused = std::get_if<Reply>(&tenant)) co_return std::move(*refused);
-    co_return d.corrupt(req, peer, std::get<std::string>(tenant));
+    co_return d.corrupt(req, std::get<std::string>(tenant));
   }
   auto found = Impl::route(req, path, query);
   if (auto* refused = std::get_if<Reply>(&found)) co_return std::move(*refused);
