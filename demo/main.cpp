@@ -1,6 +1,7 @@
 // idem-demo: the article's comparison table, and one-shot commands over the real library.
 #include <CLI/CLI.hpp>
 #include <iostream>
+#include <vector>
 
 #include "commands.hpp"
 #include "database.hpp"
@@ -163,12 +164,39 @@ int main(int argc, char** argv) {
   serve
       ->add_option("--app", serve_app,
                    "payments: the payments API; conformance: the Idempotency-Key draft's "
-                   "test routes (POST /echo, /status/{code}, /slow, /large; GET /counter)")
+                   "test routes (POST /echo, /status/{code}, /slow, /large; POST /resources "
+                   "steered by X-Fixture-* fields; POST /_fixture/corrupt; GET /counter), "
+                   "docs/conformance.md")
       ->check(CLI::IsMember({"payments", "conformance"}))
       ->capture_default_str();
   bool no_layer = false;
   serve->add_flag("--no-idempotency", no_layer,
                   "conformance only: serve the routes without idem (a baseline for load tests)");
+  std::vector<CLI::Option*> fixture_flags;
+  fixture_flags.push_back(serve->add_option(
+      "--tenant-header", serve_options.fixture.tenant_header,
+      "conformance only: the request field naming the caller; the tenant is its value before "
+      "the first ':' and a request without it is 400 (default: none, one tenant)"));
+  fixture_flags.push_back(serve
+                              ->add_option("--replayed-header",
+                                           serve_options.fixture.replayed_header,
+                                           "conformance only: the replay marker's name")
+                              ->capture_default_str());
+  long long max_wait_ms = 10000;
+  fixture_flags.push_back(serve
+                              ->add_option("--max-wait-ms", max_wait_ms,
+                                           "conformance only: under --policy wait, the longest a "
+                                           "duplicate waits for the first before its 409")
+                              ->check(CLI::Range(0LL, 3600LL * 1000))
+                              ->capture_default_str());
+  long long max_stored_body = -1;
+  fixture_flags.push_back(
+      serve
+          ->add_option("--max-stored-body-bytes", max_stored_body,
+                       "conformance only: the largest response body kept for replay; a larger "
+                       "one is delivered whole, marked Idempotent-Not-Stored, and its key "
+                       "released (default: no limit)")
+          ->check(CLI::NonNegativeNumber));
   long long serve_ttl_s = 86400;
   serve
       ->add_option("--ttl", serve_ttl_s,
@@ -242,6 +270,23 @@ int main(int argc, char** argv) {
         std::cerr << "idem-demo: the conformance fixture keeps its keys in a SQLite file (--db)\n";
         return 2;
       }
+      if (serve_options.app != idem::demo::AppKind::conformance) {
+        for (const CLI::Option* flag : fixture_flags) {
+          if (flag->count() > 0) {
+            std::cerr << "idem-demo: " << flag->get_name()
+                      << " is the conformance fixture's (--app "
+                      << "conformance)\n";
+            return 2;
+          }
+        }
+      }
+      if (serve_options.fixture.replayed_header.empty()) {
+        std::cerr << "idem-demo: --replayed-header needs a name\n";
+        return 2;
+      }
+      serve_options.fixture.max_wait = std::chrono::milliseconds(max_wait_ms);
+      if (max_stored_body >= 0)
+        serve_options.fixture.max_stored_body = static_cast<std::size_t>(max_stored_body);
       serve_options.idempotency_layer = !no_layer;
       serve_options.max_connections = static_cast<std::size_t>(max_connections);
       serve_options.drain_timeout = std::chrono::milliseconds(drain_ms);

@@ -350,6 +350,58 @@ TEST_CASE("http layer (blocking): replay_large_bodies = false keeps status and h
   CHECK(ran == 1);
 }
 
+TEST_CASE(
+    "http layer (blocking): a body over max_stored_body is delivered whole, kept not at all, "
+    "marked, and the retry runs again") {
+  idem::test::World w;
+  idem::http::LayerOptions o;
+  o.max_stored_body = 1000;
+  o.large_body = 10;  // both apply: max_stored_body wins, nothing is kept
+  o.replay_large_bodies = false;
+  idem::http::Layer layer(*w.idem, o);
+  const std::string not_stored(idem::http::kNotStoredHeader);
+  int ran = 0;
+  std::size_t size = 5000;
+  const idem::http::Handler report = [&](const idem::http::Request&, const idem::http::Context&) {
+    ++ran;
+    idem::http::Reply r{boost::beast::http::status::ok, 11};
+    r.set("X-Report", "7");
+    r.body() = std::string(size, 'r');
+    r.prepare_payload();
+    return r;
+  };
+  const idem::http::Reply first = layer.handle(post("m1", "q"), report);
+  CHECK(first.body().size() == 5000);
+  CHECK(first[not_stored] == "body-too-large");
+  CHECK(first["X-Report"] == "7");
+  const auto record = w.store->load({"default", "POST /report", "m1"});
+  REQUIRE(record);  // released: no status, no headers, no body
+  CHECK(record->state == idem::State::released);
+  CHECK(record->response.headers.empty());
+  CHECK(record->response.body.empty());
+  const idem::http::Reply retry = layer.handle(post("m1", "q"), report);
+  CHECK(retry.body().size() == 5000);
+  CHECK(retry.count("Idempotent-Replayed") == 0);
+  CHECK(ran == 2);
+  // At the limit it is an outcome like any other (here over large_body: its body omitted).
+  size = 1000;
+  layer.handle(post("m2", "q"), report);
+  const idem::http::Reply replay = layer.handle(post("m2", "q"), report);
+  CHECK(replay["Idempotent-Replayed"] == "true");
+  CHECK(replay["Idempotent-Body-Omitted"] == "1000");
+  CHECK(replay.count(not_stored) == 0);
+  CHECK(ran == 3);
+  // A 5xx is not stored either, but not for its size: no marker.
+  const idem::http::Handler failing = [&](const idem::http::Request&, const idem::http::Context&) {
+    ++ran;
+    idem::http::Reply r{boost::beast::http::status::service_unavailable, 11};
+    r.body() = std::string(5000, 'e');
+    return r;
+  };
+  CHECK(layer.handle(post("m3", "q"), failing).count(not_stored) == 0);
+  CHECK(ran == 4);
+}
+
 TEST_CASE("http layer (blocking): a handler's exception releases the key, the retry runs") {
   idem::test::World w;
   idem::http::Layer layer(*w.idem);

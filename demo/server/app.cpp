@@ -35,7 +35,9 @@ void finish_reply(Reply& res, bool keep_alive) {
   if (!res.body().empty() && res.find(bh::field::content_type) == res.end())
     res.set(bh::field::content_type, "application/json");
   res.keep_alive(keep_alive);
-  if (res.find(bh::field::content_length) == res.end()) res.prepare_payload();
+  // A chunked reply keeps its Transfer-Encoding: prepare_payload() would make it
+  // Content-Length.
+  if (res.find(bh::field::content_length) == res.end() && !res.chunked()) res.prepare_payload();
 }
 
 Reply problem_reply(int status, std::string_view code, std::string_view title,

@@ -41,7 +41,7 @@ Reply method_not_allowed(std::string_view allow);
 // (closed, timed out, cancelled, cut short).
 std::optional<Reply> read_failure(const boost::beast::error_code& ec);
 // The transport's headers on every reply: HTTP/1.1, Server, Date, a JSON Content-Type when a
-// body has none, keep-alive, and Content-Length unless set.
+// body has none, keep-alive, and Content-Length unless set or the reply is chunked.
 void finish_reply(Reply& res, bool keep_alive);
 
 }  // namespace idem::demo

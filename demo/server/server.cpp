@@ -70,7 +70,8 @@ struct Server::Impl {
   explicit Impl(ServerOptions o) : options(std::move(o)) {
     if (options.app == AppKind::conformance) {
       fixture = std::make_unique<ConformanceApp>(ConformanceOptions{
-          options.api.db, options.api.policy, options.api.fail_closed, options.idempotency_layer});
+          options.api.db, options.api.policy, options.api.fail_closed, options.idempotency_layer,
+          options.api.ttl, options.api.lease, options.fixture});
       app = fixture.get();
     } else {
       payments = std::make_unique<PaymentsApi>(options.api);

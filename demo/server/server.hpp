@@ -18,8 +18,10 @@ struct ServerOptions {
   std::string host = "127.0.0.1";  // loopback unless told otherwise
   unsigned short port = 8080;      // 0: any free port (see Server::port())
   AppKind app = AppKind::payments;
-  ApiOptions api;                 // the payments API; its db, policy and fail_closed serve both
-  bool idempotency_layer = true;  // conformance only: false serves its routes without idem
+  // The payments API; its db, policy, fail_closed, ttl and lease serve both apps.
+  ApiOptions api;
+  bool idempotency_layer = true;        // conformance only: false serves its routes without idem
+  FixtureOptions fixture{};             // conformance only: tenant field, replay marker, limits
   std::size_t body_limit = 64 * 1024;   // larger bodies: 413, connection closed
   std::size_t header_limit = 8 * 1024;  // larger header sections: 431, connection closed
   // A request must arrive whole within read_timeout of its first byte; a keep-alive

@@ -23,10 +23,13 @@
 namespace idem::http {
 namespace {
 
-// Thrown out of the coordinator's action when the storage policy says the handler's reply
-// is not an outcome: the coordinator releases the key and rethrows it; the layer then sends
-// the reply it kept.
-struct Unstored {};
+// Thrown out of the coordinator's action when the handler's reply is not kept: the storage
+// policy says it is not an outcome, or its body is over LayerOptions::max_stored_body
+// (too_large). The coordinator releases the key and rethrows it; the layer then sends the
+// reply it kept, marked with kNotStoredHeader when too large.
+struct Unstored {
+  bool too_large = false;
+};
 
 // Carries the handler's own exception through the coordinator (which releases the key), so
 // that an idem::error the handler threw is not mistaken for the layer's.
@@ -245,6 +248,7 @@ struct Layer::Impl {
   Response stored_form(const Reply& r) const {
     const bool outcome = o.store ? o.store(r) : is_outcome(r.result_int());
     if (!outcome) throw Unstored{};
+    if (o.max_stored_body && r.body().size() > *o.max_stored_body) throw Unstored{true};
     Response s;
     s.status = static_cast<int>(r.result_int());
     for (const auto& f : r) {
@@ -294,8 +298,10 @@ struct Layer::Impl {
     if (!failure) return answer(*out, handler_reply);
     try {
       std::rethrow_exception(failure);
-    } catch (const Unstored&) {
-      return std::move(*handler_reply);
+    } catch (const Unstored& u) {
+      Reply r = std::move(*handler_reply);
+      if (u.too_large) r.set(std::string(kNotStoredHeader), "body-too-large");
+      return r;
     } catch (const HandlerThrew& t) {
       // A step's own errors are idem's answers to give: the request lost the key (its reply
       // never stored as the key's outcome), or an effect may have happened (never "nothing
@@ -400,6 +406,8 @@ std::string Layer::policy() const {
                         ? "the duplicate waits for the first and gets its response"
                         : "409 with Retry-After"},
       {"stored", d.o.store ? "as the service decides" : "status below 500; a 5xx releases the key"},
+      {"max_stored_body_bytes",
+       d.o.max_stored_body ? nlohmann::json(*d.o.max_stored_body) : nlohmann::json(nullptr)},
       {"replayed_header", d.o.replayed_header},
       {"expires_header", kExpiresHeader},
       {"on_store_failure", c.on_store_failure == FailureMode::fail_closed
@@ -457,7 +465,13 @@ boost::asio::awaitable<Response> Layer::resume(Attempt& attempt, const AsyncHand
   const Reply reply = co_await handler(request, context);
   try {
     co_return d.stored_form(reply);
-  } catch (const Unstored&) {
+  } catch (const Unstored& u) {
+    if (u.too_large) {
+      throw std::runtime_error(fmt::format(
+          "the handler's body of {} bytes is over max_stored_body ({}); the progress stays for "
+          "the next try",
+          reply.body().size(), *d.o.max_stored_body));
+    }
     throw std::runtime_error(
         fmt::format("the handler answered {}, not an outcome; the progress stays for the next try",
                     reply.result_int()));

@@ -23,7 +23,8 @@
 //   4xx but 408/425/429 by default) and then replayed to every duplicate with status, the headers
 //   the handler set (but session and credential fields: LayerOptions::unstored_headers) and the
 //   body bytes, plus "Idempotent-Replayed: true" and "Idempotency-Key-Expires"; a reply that is
-//   not stored (5xx by default) releases the key, so the retry runs again.
+//   not stored (5xx by default, or a body over LayerOptions::max_stored_body, marked
+//   "Idempotent-Not-Stored") releases the key, so the retry runs again.
 // Errors are application/problem+json (RFC 9457) with a stable "error" member (idem/http.hpp).
 //
 // This header brings Beast and Asio; the rest of idem needs neither.
@@ -41,6 +42,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "idem/coordinator.hpp"
@@ -77,6 +79,10 @@ std::vector<std::string> session_fields();
 // as 503 outcome_unknown (neither stored).
 using Handler = std::function<Reply(const Request&, const Context&)>;
 using AsyncHandler = std::function<boost::asio::awaitable<Reply>(const Request&, const Context&)>;
+
+// The field on a reply that was an outcome but was not kept (LayerOptions::max_stored_body):
+// its value says why ("body-too-large"); the key is free and a retry runs again.
+inline constexpr std::string_view kNotStoredHeader = "Idempotent-Not-Stored";
 
 struct LayerOptions {
   // The methods this layer protects; any other method passes through to the handler
@@ -125,9 +131,20 @@ struct LayerOptions {
   // Replies with a body over large_body bytes are large. The coordinator keeps bodies
   // over Options::inline_body_limit in its PayloadStore by reference; with
   // replay_large_bodies = false a large body is not kept at all, and a replay carries
-  // status and headers, an empty body and "Idempotent-Body-Omitted: <bytes>".
+  // status and headers, an empty body and "Idempotent-Body-Omitted: <bytes>" (the key stays
+  // taken: a retry is answered, never run again). Defaults: 1 MiB, true.
   std::size_t large_body = std::size_t{1} << 20;
   bool replay_large_bodies = true;
+
+  // The largest body, in bytes, of a reply kept for replay. A reply the storage policy calls
+  // an outcome but whose body is larger is kept not at all (neither status, headers nor
+  // body): its caller gets it whole, with "Idempotent-Not-Stored: body-too-large"
+  // (kNotStoredHeader), and the key is released as after a 5xx, so a retry runs the handler
+  // again. Where large_body with replay_large_bodies = false keeps the outcome and drops
+  // only its body, this keeps nothing and frees the key; checked first, it wins when both
+  // apply. With steps, the progress stays for the retry, and resume() throws as for a reply
+  // that is not an outcome. Default: nullopt, no limit.
+  std::optional<std::size_t> max_stored_body{};
 
   // Retry-After of a 409: the holder's remaining lease, capped by how long this layer's
   // runs of the operation usually take (a moving average), or by expected_duration before
