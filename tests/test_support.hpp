@@ -7,12 +7,14 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -95,10 +97,15 @@ class RawDb {
 };
 
 // A PostgreSQL schema name no other test of any process uses (the cluster is thrown away).
-inline std::string fresh_pg_schema() {
+// (The process id alone repeats once the kernel reuses it, and the cluster outlives processes:
+// a random part keeps a later process with the same id off an earlier one's schema.)
+inline std::string fresh_pg_name() {
+  static const unsigned run = std::random_device{}();
   static std::atomic<unsigned> next{0};
-  return fmt::format("t_{}_{}", getpid(), next++);
+  return fmt::format("t_{}_{:08x}_{}", getpid(), run, next++);
 }
+
+inline std::string fresh_pg_schema() { return fresh_pg_name(); }
 
 // The text of the first column of the first row of `sql` on the PostgreSQL server `conninfo`
 // (libpq's keywords or a URI); "" if no row. Throws std::runtime_error when it fails.
@@ -125,8 +132,7 @@ inline std::string test_pg_conninfo() {
 
 // A fresh database on that server, as the postgresql:// URI idem-demo's --store takes.
 inline std::string fresh_pg_database() {
-  static std::atomic<unsigned> next{0};
-  const std::string name = fmt::format("t_{}_{}", getpid(), next++);
+  const std::string name = fresh_pg_name();
   const std::string conninfo = test_pg_conninfo();
   pg_text(conninfo, "CREATE DATABASE " + name);
   PGconn* c = PQconnectdb(conninfo.c_str());
@@ -220,6 +226,13 @@ bool eventually(Predicate done, std::chrono::seconds bound = std::chrono::second
     std::this_thread::yield();
   }
   return true;
+}
+
+// How many trials a pause test runs (a frozen owner, a stalled connection): a few in the
+// suite; scripts/probe-faults sets IDEM_PAUSE_TRIALS=50.
+inline int pause_trials() {
+  const char* n = std::getenv("IDEM_PAUSE_TRIALS");
+  return n != nullptr ? std::max(1, std::atoi(n)) : 3;
 }
 
 inline Request request(std::string key, long long amount = 4990, std::string tenant = "alpha",

@@ -900,8 +900,9 @@ struct World {
     violate(
         Invariant::called_in_lease,
         fmt::format("{}: {} started under token {} at t={}ms, but {}", key, what, token, ms(now),
-                    token != k.newest_token
-                        ? fmt::format("token {} holds the key", k.newest_token)
+                    token != k.newest_token ? fmt::format("token {} holds the key", k.newest_token)
+                    : k.lease_until == TimePoint::min()
+                        ? std::string("the key holds no lease (completed or released)")
                         : fmt::format("its lease ended at t={}ms", ms(k.lease_until))));
   }
 
