@@ -1,5 +1,5 @@
-// The Asio front end on simulated time: the in-flight table of SPEC §4 from coroutines on one
-// io_context, with exact simulated timings. Each test counts the provider's charges.
+// The Asio front end on simulated time: the in-flight table (Options::in_flight) from coroutines on
+// one io_context, with exact simulated timings. Each test counts the provider's charges.
 #include "idem/asio.hpp"
 #include "idem/sim/async_provider.hpp"
 

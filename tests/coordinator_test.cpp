@@ -1,5 +1,6 @@
-// The blocking front end on simulated time: every rule of SPEC §1-3, §5, §6 and §8 that one
-// thread can show. Each test counts the provider's charges, not only the responses.
+// The blocking front end on simulated time: every rule of the key, the fingerprint, the lease, the
+// stored response, store failures and the reaper that one thread can show. Each test counts the
+// provider's charges, not only the responses.
 #include "idem/coordinator.hpp"
 
 #include <doctest/doctest.h>

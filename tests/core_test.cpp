@@ -55,7 +55,7 @@ Decision on(const Found& f, InFlight policy, FailureMode mode = FailureMode::fai
 
 }  // namespace
 
-TEST_CASE("decide: SPEC §4, row by row") {
+TEST_CASE("decide: the in-flight rules, row by row") {
   const idem::Record running = record(idem::State::in_progress);
   const idem::Record done = record(idem::State::completed);
   const Found live_running{Found::Kind::live, &running};

@@ -1,4 +1,4 @@
-// Multi-step operations (SPEC §7) on the simulated clock: seed 000's checkout (debit, order,
+// Multi-step operations on the simulated clock: seed 000's checkout (debit, order,
 // mail) crashed at every point, resumed, finished by the completer, fenced against zombies,
 // reconciled after unknown outcomes; the outbox and maintenance. Every test counts the
 // effects themselves: the provider's charges, the orders table's rows, the mail journal.

@@ -1,4 +1,4 @@
-// SPEC §4 in one function: what a call does next, given what it has learned of its key.
+// The in-flight rules in one function: what a call does next, given what it has learned of its key.
 // No I/O, no clock, no counters: the flow (flow.hpp) feeds it and performs its answer.
 #pragma once
 
@@ -65,7 +65,7 @@ inline Decision decide(const Found& found, const Call& call, FailureMode on_stor
       break;
   }
   const Record& record = *found.record;
-  // The fingerprint is checked before anything else about the record (SPEC §2).
+  // The fingerprint is checked before anything else about the record.
   if (record.fingerprint != call.fingerprint) return Decision::key_reuse;
   if (record.state == State::completed) return Decision::replay;
   // In progress: the in-flight policy.

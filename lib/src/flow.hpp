@@ -12,7 +12,7 @@
 //     case answer: return flow.outcome();
 //   }
 //
-// next() decides with decide() (SPEC §4), keeps the counters and the log, holds the key's
+// next() decides with decide(), keeps the counters and the log, holds the key's
 // in-process bookkeeping (who holds it, who waits on it) and the heartbeat, and throws the
 // errors a call ends with (KeyReuseError, InProgressError, LeaseLostError, StoreError, or
 // the action's own exception).

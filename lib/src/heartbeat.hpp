@@ -1,4 +1,4 @@
-// Renews a held lease every Options::heartbeat while the action runs (SPEC §3), on the
+// Renews a held lease every Options::heartbeat while the action runs, on the
 // clock's thread.
 #pragma once
 

@@ -24,7 +24,7 @@ Reservation found(Record r) {
 constexpr std::size_t kEntryOverhead = 256;
 
 std::string key_of(const KeyId& id) {
-  // Tenant, operation and key are printable ASCII (SPEC §1): a NUL cannot occur in them.
+  // Tenant, operation and key are printable ASCII: a NUL cannot occur in them.
   std::string k;
   k.reserve(id.tenant.size() + id.operation.size() + id.key.size() + 2);
   k.append(id.tenant).push_back('\0');

@@ -62,7 +62,7 @@ DROP TABLE idem_keys;
 ALTER TABLE idem_keys_v2 RENAME TO idem_keys;
 CREATE INDEX idem_keys_expiry ON idem_keys (expires_at);
 )sql",
-    // v3: multi-step operations (SPEC §7). progress is JSON {"origin", "steps":
+    // v3: multi-step operations. progress is JSON {"origin", "steps":
     // [[step, result, reconciled]...], "pending"}; request is what the completer resumes
     // with. The partial index holds only unfinished multi-step records, for the completer.
     // The outbox: state 0 pending, 1 delivered, 2 parked; next_at is when a pending message

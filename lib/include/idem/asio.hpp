@@ -63,7 +63,7 @@ boost::asio::awaitable<std::string> async_external(Attempt& attempt, std::string
 boost::asio::awaitable<std::string> async_local(Attempt& attempt, std::string step,
                                                 Attempt::LocalWork work);
 
-// --- Maintenance on a schedule (SPEC §7, §8) ---------------------------------------------
+// --- Maintenance on a schedule ----------------------------------------------------------
 
 struct MaintenanceOptions {
   // How often each job runs. Defaults: purge, reap and the completer every 10 s, the outbox

@@ -83,7 +83,8 @@ class Coordinator {
   //   logged as "release_failed" and counted; the exception still propagates and the key
   //   stays reserved until its lease ends.)
   // Throws:
-  //   InvalidKeyError   - key, tenant or operation breaks SPEC §1, or the key is missing
+  //   InvalidKeyError   - key, tenant or operation breaks the key rules (idem/key.hpp), or the key
+  //   is missing
   //                       under MissingKey::reject. Nothing ran, nothing stored.
   //   KeyReuseError     - a live record of this key has another fingerprint.
   //   InProgressError   - another request holds the key (InFlight::raise), or it still

@@ -15,7 +15,7 @@
 namespace idem {
 
 enum class errc {
-  // The idempotency key, tenant or operation breaks a rule of SPEC §1 (empty, longer
+  // The idempotency key, tenant or operation breaks a rule of idem/key.hpp (empty, longer
   // than 255 bytes, a byte outside printable ASCII 0x20..0x7E), or the key is missing
   // and Options::missing_key is MissingKey::reject. Nothing was stored and nothing ran.
   // Never retry unchanged: fix the request. HTTP 400.

@@ -1,4 +1,4 @@
-// idem — the fingerprint of a request (SPEC §2).
+// idem — the fingerprint of a request.
 #pragma once
 
 #include <array>

@@ -1,4 +1,4 @@
-// idem — the identity of a key (SPEC §1).
+// idem — the identity of a key.
 #pragma once
 
 #include <cstddef>
@@ -37,7 +37,7 @@ void validate(const KeyId& id);
 // logs and metrics, which never print a client's key.
 std::string short_hash(const KeyId& id);
 
-// A key for a downstream system derived deterministically from the record (SPEC §7):
+// A key for a downstream system derived deterministically from the record:
 // identical on every retry and after a restart, different for every (tenant, operation,
 // key), and free of the client's raw key. `step` names the downstream call ("charge").
 // Result: "idem_<32 hex digits>:<step>".

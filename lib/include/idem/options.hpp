@@ -15,7 +15,7 @@
 
 namespace idem {
 
-// What a duplicate gets while the first request with its key is still running (SPEC §4).
+// What a duplicate gets while the first request with its key is still running.
 enum class InFlight {
   // No reservation: replay a stored result if there is one, else run the action, then try
   // to store the result and, losing that race, return the winner's. This is the broken
@@ -29,7 +29,7 @@ enum class InFlight {
   raise,
 };
 
-// What happens when the store cannot be used before the action runs (SPEC §6).
+// What happens when the store cannot be used before the action runs.
 enum class FailureMode {
   fail_open,    // run the action unprotected; the store error is logged and counted
   fail_closed,  // do not run the action; StoreError (errc::store_unavailable)
@@ -43,7 +43,7 @@ enum class MissingKey {
 
 std::string_view to_string(InFlight policy) noexcept;
 
-// Where bodies larger than Options::inline_body_limit live (SPEC §5). The application
+// Where bodies larger than Options::inline_body_limit live. The application
 // implements it over its own blob storage. Must be thread-safe.
 class PayloadStore {
  public:

@@ -1,4 +1,4 @@
-// idem — what an action returns, and what a duplicate gets back (SPEC §5).
+// idem — what an action returns, and what a duplicate gets back.
 #pragma once
 
 #include <string>

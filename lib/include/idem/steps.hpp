@@ -1,4 +1,4 @@
-// idem — operations that span several systems (SPEC §7): named steps with recovery points,
+// idem — operations that span several systems: named steps with recovery points,
 // local steps in the key's own transaction, derived keys, the outbox and the completer.
 //
 //   Outcome out = idem.call_steps(request, [&](Attempt& a) {

@@ -80,7 +80,7 @@ struct Reservation {
   std::optional<Record> existing;             // Kind::existing only
 };
 
-// A reservation the reaper cleared (SPEC §8).
+// A reservation the reaper cleared.
 struct ReapedRecord {
   std::string key_hash;  // short_hash of the key, never the key
   std::string operation;
@@ -88,7 +88,7 @@ struct ReapedRecord {
   TimePoint lease_until;
 };
 
-// --- Multi-step operations (SPEC §7) ----------------------------------------------------
+// --- Multi-step operations --------------------------------------------------------------
 
 // One finished step of a multi-step operation and its small result (a charge id).
 struct StepResult {

@@ -1,4 +1,4 @@
-// idem::sim — the simulated payment provider (SPEC §10).
+// idem::sim — the simulated payment provider.
 //
 // charge() takes `latency` on the injected clock and returns charge ids ch_1, ch_2, ... in
 // the order charges are made. Its ledger counts every charge made: that count is the bank
