@@ -23,6 +23,7 @@
 #include "idem/sim/mail.hpp"
 #include "idem/sqlite_store.hpp"
 #include "idem/steps.hpp"
+#include "idem/store_wrapper.hpp"
 
 namespace idem::demo {
 namespace {
@@ -105,6 +106,19 @@ std::vector<std::string> answers(const std::vector<std::string>& texts) {
   return out;
 }
 
+// For the table's paused-owner row only: a store whose pending mark checks the token and
+// not the lease (nor renews it), as a store that trusts the caller's own view of its lease
+// would. It shows what the lease check in Store::mark_pending prevents.
+class TokenOnlyMarks : public StoreWrapper {
+ public:
+  using StoreWrapper::StoreWrapper;
+  bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                    const std::string& step, const LeaseCheck& lease) override {
+    return StoreWrapper::mark_pending(id, token, origin, step,
+                                      LeaseCheck{lease.now, TimePoint{}, TimePoint{}});
+  }
+};
+
 // One scenario's world: a clock, one store, one provider, one coordinator.
 struct Scenario {
   const RunOptions& run;
@@ -116,7 +130,7 @@ struct Scenario {
   std::unique_ptr<Coordinator> idem;
   net::io_context io;
 
-  Scenario(const RunOptions& r, Options options)
+  Scenario(const RunOptions& r, Options options, bool lease_checked = true)
       : run(r),
         sim(r.real_time ? nullptr : std::make_shared<sim::SimulatedClock>()),
         clock(r.real_time ? std::shared_ptr<Clock>(std::make_shared<SystemClock>()) : sim),
@@ -139,7 +153,9 @@ struct Scenario {
         run.timeline->add(ms(at), "bank", line, mark, std::move(label));
       });
     }
-    idem = std::make_unique<Coordinator>(store, std::move(options));
+    std::shared_ptr<Store> used = store;
+    if (!lease_checked) used = std::make_shared<TokenOnlyMarks>(store);
+    idem = std::make_unique<Coordinator>(std::move(used), std::move(options));
   }
 
   long long ms(TimePoint t) const { return (t - start).count(); }
@@ -198,6 +214,50 @@ net::awaitable<void> client(Scenario& s, std::string label, long long amount,
     out = {"StoreUnavailable", to_http(e).status};
   } catch (const sim::ProviderTimeout& e) {
     out = {"provider timed out", 504};
+  }
+  s.note(label, "<- " + out.text, Mark::answer, answer_label(out.text));
+}
+
+// A client sending the charge as a one-step operation (the debit is an external step, called
+// with its derived key) at `at`; its owner freezes for `pause` before the step.
+net::awaitable<void> stepped_client(Scenario& s, std::string label, std::chrono::milliseconds at,
+                                    std::chrono::milliseconds pause, Answer& out) {
+  co_await async_sleep_until(*s.clock, s.start + at);
+  s.note(label, "sends the request", Mark::send, "sends");
+  Request request = charge_request(4990);
+  AsyncStepsAction action = [&s, label, pause](Attempt& a) -> net::awaitable<Response> {
+    if (pause > 0ms) {
+      s.note(label,
+             fmt::format("the owner freezes for {} ms before calling the bank (no heartbeat runs)",
+                         pause.count()),
+             Mark::pause, fmt::format("freezes {} s", pause.count() / 1000));
+      const TimePoint wake = s.clock->now() + pause;
+      co_await async_sleep_until(*s.clock, wake);
+      s.note(label, "the owner wakes and goes on to the debit", Mark::note, "wakes");
+    }
+    const AsyncExternalCall call = [&s](const std::string& key) -> net::awaitable<std::string> {
+      const sim::ChargeResult r = co_await sim::async_charge(*s.provider, "A-10023", 4990, key);
+      co_return r.charge_id;
+    };
+    const AsyncLookup lookup =
+        [&s](const std::string& key) -> net::awaitable<std::optional<std::string>> {
+      std::optional<sim::Charge> c = s.provider->find(key);
+      co_return c ? std::optional<std::string>(c->id) : std::nullopt;
+    };
+    const std::string charge = co_await async_external(a, "debited", call, lookup);
+    co_return Response{200, nlohmann::json{{"charge_id", charge}}.dump(), {}};
+  };
+  try {
+    const Outcome o = co_await async_call_steps(*s.idem, std::move(request), std::move(action));
+    out.status = to_http(o).status;
+    out.text = nlohmann::json::parse(o.response.body).at("charge_id").get<std::string>();
+    if (o.replayed()) out.text = "replayed " + out.text;
+  } catch (const LeaseLostError& e) {
+    out = {"lease lost", to_http(e).status};
+  } catch (const OutcomeUnknownError& e) {
+    out = {"outcome unknown", to_http(e).status};
+  } catch (const InProgressError& e) {
+    out = {"IdempotencyInProgressError", to_http(e).status};
   }
   s.note(label, "<- " + out.text, Mark::answer, answer_label(out.text));
 }
@@ -324,6 +384,18 @@ HttpView http_view(InFlight policy, const RunOptions& run) {
   std::sort(view.statuses.begin(), view.statuses.end());
   view.charges = s.provider->charge_count();
   return view;
+}
+
+PausedOwner paused_owner(bool lease_checked, const RunOptions& run) {
+  Scenario s(run, Options{.lease = 2s, .heartbeat = 0ms}, lease_checked);
+  std::vector<Answer> answers(2);
+  spawn(s, stepped_client(s, "req1", 0ms, 3s, answers[0]));
+  spawn(s, stepped_client(s, "req2", 3100ms, 0ms, answers[1]));
+  s.drive();
+  PausedOwner out;
+  for (const Answer& a : answers) out.responses.push_back(strip_replayed(a.text));
+  out.charges = s.provider->charge_ids();
+  return out;
 }
 
 namespace {
@@ -535,6 +607,19 @@ std::string render_table(bool real_time, bool with_timeline) {
   }
 
   put("");
+  put("the owner freezes past its lease (2 s) for 3 s just before calling the bank; the retry "
+      "comes at t=3100 ms");
+  for (bool checked : {true, false}) {
+    Timeline t;
+    const PausedOwner p = paused_owner(checked, {false, &t});  // seconds of pause: simulated
+    put(fmt::format(
+        "{:<36} -> responses={:<28} charges made={}",
+        checked ? "lease checked before the call" : "token only (the check switched off)",
+        py_list(p.responses), py_list(p.charges)));
+    timeline_of(t);
+  }
+
+  put("");
   put("seed 000: one key covers debit -> order -> mail; the process dies after a step");
   {
     for (const auto& [point, retried] : kCheckoutRows) {
@@ -610,6 +695,21 @@ std::vector<Figure> table_figures() {
            {t.panel(fmt::format("in_flight='{}'", to_string(policy)),
                     fmt::format("{} x 200, {} other", n200,
                                 static_cast<long>(v.statuses.size()) - n200))});
+  }
+  {
+    std::vector<sim::TimelinePanel> panels;
+    for (bool checked : {true, false}) {
+      Timeline t;
+      const PausedOwner p = paused_owner(checked, {false, &t});
+      panels.push_back(
+          t.panel(checked ? "lease checked before the call" : "token only (the check switched off)",
+                  fmt::format("answers: {}; charges: {}", fmt::join(answers(p.responses), ", "),
+                              fmt::join(p.charges, ", "))));
+    }
+    figure("paused-owner.svg",
+           "The owner freezes past its 2 s lease just before calling the bank; the retry comes "
+           "at t=3100 ms",
+           panels);
   }
   for (const auto& [point, retried] : kCheckoutRows) {
     Timeline t;

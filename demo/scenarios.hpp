@@ -84,6 +84,20 @@ struct HttpView {
 };
 HttpView http_view(InFlight policy, const RunOptions& run = {});
 
+// The owner freezes (a stop-the-world pause: no heartbeat runs) for 3 s, past its 2 s lease,
+// just before it calls the provider; the client's retry comes at t=3100 ms, as the owner
+// wakes. With `lease_checked`, the owner's pending mark is refused (its lease ended on the
+// store's clock): nothing is called, and the retry takes over and charges once. Without it
+// (the demonstration's store marks the step checking only the token, as a store that trusts
+// the caller's lease would), the owner calls out after its lease, the retry takes over during
+// that call, finds no charge by the step's derived key yet, and charges a second time.
+// Always on the simulated clock (`run.real_time` is ignored: the pause lasts seconds).
+struct PausedOwner {
+  std::vector<std::string> responses;  // req1, req2: charge id or what the error says
+  std::vector<std::string> charges;    // the provider's statement
+};
+PausedOwner paused_owner(bool lease_checked, const RunOptions& run = {});
+
 // The whole table as `idem-demo table` prints it.
 std::string render_table(bool real_time, bool with_timeline);
 

@@ -87,6 +87,25 @@ TEST_CASE("demo: the table holds the article's three lines byte for byte, identi
   CHECK(demo::render_table(false, true) == demo::render_table(false, true));  // timelines too
 }
 
+TEST_CASE(
+    "demo: the owner frozen past its lease before the bank: one charge with the lease check, two "
+    "with the check switched off") {
+  const demo::PausedOwner checked = demo::paused_owner(true);
+  CHECK(checked.responses == Ids{"lease lost", "ch_1"});  // refused before any call
+  CHECK(checked.charges == Ids{"ch_1"});
+  const demo::PausedOwner unchecked = demo::paused_owner(false);
+  CHECK(unchecked.responses == Ids{"lease lost", "ch_2"});  // called late; the retry too
+  CHECK(unchecked.charges == Ids{"ch_1", "ch_2"});
+  const std::string table = demo::render_table(false, false);
+  CHECK(table.find("lease checked before the call        -> responses=['lease lost', 'ch_1']     "
+                   "  charges made=['ch_1']\n") != std::string::npos);
+  CHECK(table.find("token only (the check switched off)  -> responses=['lease lost', 'ch_2']     "
+                   "  charges made=['ch_1', 'ch_2']\n") != std::string::npos);
+  const std::string timeline = demo::render_table(false, true);
+  CHECK(timeline.find("t=3000 ms  idem   lease_lost key 549e560a61f4: step 'debited': not "
+                      "called:") != std::string::npos);
+}
+
 TEST_CASE("demo: real-time mode prints the same table as simulated time") {
   CHECK(demo::render_table(true, false) == demo::render_table(false, false));
 }

@@ -279,7 +279,7 @@ TEST_CASE(
   idem::test::TempDir dir;
   const std::filesystem::path out = std::filesystem::path(dir.file("figures")) / "nested";
   const auto written = idem::demo::write_table_figures(out);
-  REQUIRE(written.size() == 10);
+  REQUIRE(written.size() == 11);
   for (const auto& path : written) {
     CAPTURE(path.string());
     const auto root = parse_xml(read_file(path));
@@ -303,6 +303,21 @@ TEST_CASE(
   CHECK(count_marks(*panels[2], "conflict") == 1);  // the duplicate gets 409
   // The same figures on every run.
   CHECK(idem::demo::table_figures().front().svg == read_file(out / "in-flight.svg"));
+
+  // The paused owner: the pause, then the refused call and one charge; with the check off, the
+  // takeover during the late call and two charges.
+  const auto paused = parse_xml(read_file(out / "paused-owner.svg"));
+  const auto rows = panels_of(*paused);
+  REQUIRE(rows.size() == 2);
+  CHECK(panel_title(*rows[0]).starts_with("lease checked"));
+  CHECK(count_marks(*rows[0], "pause") == 1);
+  CHECK(count_marks(*rows[0], "lease_lost") == 1);
+  CHECK(count_marks(*rows[0], "takeover") == 0);
+  CHECK(count_marks(*rows[0], "charge") == 1);
+  CHECK(panel_title(*rows[1]).starts_with("token only"));
+  CHECK(count_marks(*rows[1], "pause") == 1);
+  CHECK(count_marks(*rows[1], "takeover") == 1);
+  CHECK(count_marks(*rows[1], "charge") == 2);
 }
 
 TEST_CASE("demo: --timeline text lines are unchanged by the marks the SVG needs") {

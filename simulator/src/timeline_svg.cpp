@@ -44,6 +44,8 @@ std::string_view to_string(Mark mark) {
       return "takeover";
     case Mark::lease_lost:
       return "lease_lost";
+    case Mark::pause:
+      return "pause";
     case Mark::note:
       return "note";
     case Mark::answer:
@@ -153,6 +155,10 @@ std::string shape(Mark mark) {
     case Mark::lease_lost:
       return R"(<rect x="-5" y="-5" width="10" height="10" fill="#ffffff" stroke="#b91c1c" )"
              R"(stroke-width="2"/><path d="M-5,5 L5,-5" stroke="#b91c1c" stroke-width="2"/>)";
+    case Mark::pause:
+      return R"(<rect x="-6" y="-6" width="12" height="12" rx="2" fill="#4b5563"/>)"
+             R"(<path d="M-2.2,-3.5 L-2.2,3.5 M2.2,-3.5 L2.2,3.5" stroke="#ffffff" )"
+             R"(stroke-width="2"/>)";
     case Mark::crash:
       return R"(<circle r="7" fill="#111827"/>)"
              R"(<path d="M-3.5,-3.5 L3.5,3.5 M3.5,-3.5 L-3.5,3.5" stroke="#ffffff" )"
@@ -193,7 +199,9 @@ std::string_view meaning(Mark mark) {
     case Mark::error:
       return "error";
     case Mark::lease_lost:
-      return "loses the key (lease taken over)";
+      return "loses the key, or may not call out (lease over)";
+    case Mark::pause:
+      return "the process freezes (no timers, no heartbeats)";
     case Mark::crash:
       return "process dies";
     case Mark::note:
@@ -204,10 +212,10 @@ std::string_view meaning(Mark mark) {
   return {};
 }
 
-constexpr Mark kAllMarks[] = {Mark::send,     Mark::reserve, Mark::takeover, Mark::wait,
-                              Mark::wake,     Mark::charge,  Mark::complete, Mark::replay,
-                              Mark::conflict, Mark::reuse,   Mark::release,  Mark::lease_lost,
-                              Mark::error,    Mark::crash,   Mark::answer,   Mark::note};
+constexpr Mark kAllMarks[] = {
+    Mark::send,     Mark::reserve, Mark::takeover, Mark::wait,   Mark::wake,    Mark::charge,
+    Mark::complete, Mark::replay,  Mark::conflict, Mark::reuse,  Mark::release, Mark::lease_lost,
+    Mark::pause,    Mark::error,   Mark::crash,    Mark::answer, Mark::note};
 
 bool opens_hold(Mark m) { return m == Mark::reserve || m == Mark::takeover; }
 bool closes_hold(Mark m) {

@@ -35,7 +35,8 @@ enum class Mark {
   error,       // something failed (a store error, a timeout)
   crash,       // a process died
   takeover,    // a request took over a reservation whose lease had expired
-  lease_lost,  // the holder found its lease gone (taken over): it holds the key no more
+  lease_lost,  // the holder found its lease gone (taken over, or too little left to call out)
+  pause,       // a process freezes (a stop-the-world pause): its timers and heartbeats wait
   note,        // anything else
   answer,      // a client receives its answer (a response or an error)
 };
