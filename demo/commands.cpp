@@ -12,6 +12,9 @@
 #include "idem/sim/mail.hpp"
 #include "idem/sim/provider.hpp"
 #include "idem/steps.hpp"
+#include "idem/store_wrapper.hpp"
+
+#include <signal.h>
 
 namespace idem::demo {
 namespace {
@@ -36,6 +39,26 @@ Options process_options(long long lease_ms, InFlight policy, std::shared_ptr<Clo
   return options;
 }
 
+// A store that stops this process (SIGSTOP) after the first reservation it commits, before
+// the coordinator has the reply: a pause inside the round trip, as a frozen owner sees it.
+class StopAfterReserve : public StoreWrapper {
+ public:
+  using StoreWrapper::StoreWrapper;
+  void apply(std::span<StoreOp* const> ops) override {
+    StoreWrapper::apply(ops);
+    for (const StoreOp* op : ops) {
+      if (!stopped_ && op->kind == StoreOp::Kind::reserve && !op->error &&
+          op->reservation.kind != Reservation::Kind::existing) {
+        stopped_ = true;
+        raise(SIGSTOP);
+      }
+    }
+  }
+
+ private:
+  bool stopped_ = false;
+};
+
 }  // namespace
 
 int run_charge(const ChargeArgs& a) {
@@ -50,7 +73,9 @@ int run_charge(const ChargeArgs& a) {
     Options options = process_options(a.lease_ms, policy_of(a.policy), clock);
     options.on_store_failure = a.fail_closed ? FailureMode::fail_closed : FailureMode::fail_open;
     Database db(a.db, {.clock = clock});
-    Coordinator idem(db.store(), options);
+    std::shared_ptr<Store> store = db.store();
+    if (a.stop_at == "reserved") store = std::make_shared<StopAfterReserve>(store);
+    Coordinator idem(store, options);
 
     const nlohmann::json body = {
         {"amount", a.amount}, {"currency", a.currency}, {"order_id", a.order_id}};
@@ -62,7 +87,7 @@ int run_charge(const ChargeArgs& a) {
     line["key_hash"] = short_hash({a.tenant, a.operation, a.key});
 
     // The provider gets a key derived from the record: the same on every retry, in every
-    // process, after a crash (SPEC §7).
+    // process, after a crash.
     const std::string downstream = derived_key({a.tenant, a.operation, a.key}, "charge");
     const Outcome out = idem.call(req, [&] {
       const sim::ChargeResult r = provider.charge(a.order_id, a.amount, downstream);
@@ -120,7 +145,8 @@ int run_checkout(const CheckoutArgs& a) {
     sim::Provider provider(clock, {.latency = std::chrono::milliseconds(a.provider_latency_ms),
                                    .dedup = a.provider_dedup,
                                    .ledger_path = a.ledger});
-    const Options options = process_options(a.lease_ms, InFlight::wait, clock);
+    Options options = process_options(a.lease_ms, InFlight::wait, clock);
+    if (a.heartbeat_ms >= 0) options.heartbeat = std::chrono::milliseconds(a.heartbeat_ms);
     Database db(a.db, {.clock = clock});
     Coordinator idem(db.store(), options);
 
@@ -133,7 +159,10 @@ int run_checkout(const CheckoutArgs& a) {
         nlohmann::json{{"amount", a.amount}, {"currency", a.currency}, {"order_id", a.order_id}});
     req.payload = to_payload(order);
     const Outcome out = idem.call_steps(req, [&](Attempt& attempt) {
-      return checkout(attempt, provider, checkout_from_payload(attempt.request()));
+      return checkout(attempt, provider, checkout_from_payload(attempt.request()),
+                      [&a](std::string_view point) {
+                        if (point == a.stop_at) raise(SIGSTOP);
+                      });
     });
     line["status"] = out.response.status;
     line["outcome"] = out.replayed() ? "replayed" : "executed";

@@ -24,6 +24,10 @@ struct ChargeArgs {
   bool provider_dedup = true;
   bool fail_closed = false;
   bool crash_after_charge = false;
+  // "reserved": the process stops itself (SIGSTOP) right after its reservation committed,
+  // before it has the reply in hand, so a test can freeze it past its lease and send SIGCONT.
+  // Empty: never.
+  std::string stop_at;
 };
 
 // Prints one JSON line (outcome, charge_id, status, ...) and returns the exit code: 0 when a
@@ -39,8 +43,12 @@ struct CheckoutArgs {
   long long amount = 4990;
   std::string currency = "RUB";
   long long lease_ms = 30000;
+  long long heartbeat_ms = -1;  // how often the lease is renewed (0: never; -1: a third of it)
   long long provider_latency_ms = 300;
   bool provider_dedup = true;
+  // One of checkout.hpp's CrashHook points ("before debited", ...): the process stops itself
+  // (SIGSTOP) there, for a test to freeze it past its lease and send SIGCONT. Empty: never.
+  std::string stop_at;
 };
 
 // Seed 000's checkout (debit, order, mail) through Coordinator::call_steps, once, from this

@@ -76,6 +76,11 @@ int main(int argc, char** argv) {
                    "Refuse to charge when the store fails (default: fail open)");
   charge->add_flag("--crash-after-charge", c.crash_after_charge,
                    "Die right after the provider recorded the charge");
+  charge
+      ->add_option("--stop-at", c.stop_at,
+                   "Stop this process (SIGSTOP) there, until SIGCONT: 'reserved' (the "
+                   "reservation committed, its reply not yet used)")
+      ->check(CLI::IsMember({"reserved"}));
 
   idem::demo::SimulateArgs sim;
   CLI::App* simulate = app.add_subcommand(
@@ -111,6 +116,10 @@ int main(int argc, char** argv) {
   checkout_cmd->add_option("--lease-ms", k.lease_ms, "Lease")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  checkout_cmd
+      ->add_option("--heartbeat-ms", k.heartbeat_ms,
+                   "Renew the lease this often (0: never; default: a third of the lease)")
+      ->check(CLI::NonNegativeNumber);
   checkout_cmd->add_option("--provider-latency-ms", k.provider_latency_ms, "Provider latency")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
@@ -118,6 +127,11 @@ int main(int argc, char** argv) {
       ->add_option("--provider-dedup", checkout_dedup, "Provider deduplicates on the derived key")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+  checkout_cmd
+      ->add_option("--stop-at", k.stop_at,
+                   "Stop this process (SIGSTOP) at this point of the flow, until SIGCONT")
+      ->check(CLI::IsMember({"before debited", "debited: charged, not recorded", "after debited",
+                             "after order_created", "after notified"}));
 
   std::string dispatch_db, dispatch_ledger;
   CLI::App* dispatch_cmd =

@@ -10,7 +10,9 @@
 #include <fmt/format.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -191,4 +193,74 @@ TEST_CASE(
   CHECK(raw.scalar("SELECT count(DISTINCT order_id) FROM charges") == kTrials);
   idem::test::RawDb keys(db);
   CHECK(keys.scalar("SELECT count(*) FROM idem_outbox WHERE state <> 1") == 0);
+}
+
+TEST_CASE(
+    "demo charge and checkout: the owner frozen (SIGSTOP) for twice its lease, a retry as it "
+    "wakes: one debit per key, and the owner calls nobody") {
+  // The owner stops itself where a pause hurts most: the single-step charge right after its
+  // reservation committed (the reply not yet used), the checkout just before its debit. It
+  // stays stopped for twice its lease (real time: the lease runs on the store's clock, this
+  // machine's), then gets SIGCONT and a second process retries the key at once. The provider
+  // does not deduplicate: an owner that called out on its ended lease while the retry took
+  // over would show as a second charge.
+  const int trials = idem::test::pause_trials();
+  constexpr int kLeaseMs = 400;
+  for (const std::string command : {"charge", "checkout"}) {
+    CAPTURE(command);
+    idem::test::TempDir dir;
+    const std::string db = dir.file("keys.db"), ledger = dir.file("ledger.db");
+    int owner_refused = 0;
+    for (int trial = 0; trial < trials; ++trial) {
+      CAPTURE(trial);
+      const std::vector<std::string> args = {command,
+                                             "--db",
+                                             db,
+                                             "--ledger",
+                                             ledger,
+                                             "--key",
+                                             fmt::format("k{}", trial),
+                                             "--order-id",
+                                             fmt::format("O-{}", trial),
+                                             "--lease-ms",
+                                             std::to_string(kLeaseMs),
+                                             "--provider-latency-ms",
+                                             "200",
+                                             "--provider-dedup",
+                                             "off"};
+      std::vector<std::string> frozen = args;
+      frozen.insert(frozen.end(),
+                    {"--stop-at", command == "charge" ? "reserved" : "before debited"});
+      // The checkout renews its lease while it runs; woken, a heartbeat that renewed first
+      // would make the owner's call legitimate (the retry then waits for it), and the race this
+      // test is about (a call on an ended lease against a takeover) would not be run.
+      if (command == "checkout") frozen.insert(frozen.end(), {"--heartbeat-ms", "0"});
+      Run owner = start(dir, "owner", frozen);
+      int status = 0;
+      REQUIRE(waitpid(owner.pid, &status, WUNTRACED) == owner.pid);
+      REQUIRE(WIFSTOPPED(status));  // it holds the key and is frozen where it asked
+      std::this_thread::sleep_for(std::chrono::milliseconds(2 * kLeaseMs));  // the pause itself
+      REQUIRE(kill(owner.pid, SIGCONT) == 0);
+      Run retry = start(dir, "retry", args);
+      nlohmann::json owner_line, retry_line;
+      const int owner_exit = finish(owner, owner_line);
+      CAPTURE(owner_line.dump());
+      REQUIRE(finish(retry, retry_line) == 0);
+      CAPTURE(retry_line.dump());
+      if (owner_exit != 0) {
+        // Refused before any call: the lease had ended when it woke.
+        const std::string said = command == "charge" ? owner_line.at("outcome").get<std::string>()
+                                                     : owner_line.at("error").get<std::string>();
+        CHECK(said.find("lease") != std::string::npos);
+        ++owner_refused;
+      }
+      CHECK(ledger_count(dir, ledger) == trial + 1);  // one charge per key, never two
+    }
+    MESSAGE(command << ": " << owner_refused << " of " << trials
+                    << " woken owners ended on their lost lease (the rest renewed it first and "
+                       "the retry waited for them)");
+    CHECK(owner_refused > 0);
+    idem::test::RawDb raw(ledger);
+    CHECK(raw.scalar("SELECT count(DISTINCT order_id) FROM charges") == trials);
+  }
 }

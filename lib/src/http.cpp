@@ -201,7 +201,7 @@ Response to_http(const error& e) {
       case errc::in_progress:
         return "A request with this idempotency key is in progress";
       case errc::lease_lost:
-        return "The request lost its reservation";
+        return "The request lost its reservation: retry with the same key, never a new one";
       case errc::store_unavailable:
         return "Idempotency store unavailable";
       case errc::outcome_unknown:
