@@ -256,6 +256,9 @@ TEST_CASE(
     // A WAL that never started over would hold at least one frame per transaction; after a
     // checkpoint it holds only what was written since.
     const long long frames = wal_frames(path);
+    CAPTURE(frames);  // what a failure needs to be understood
+    CAPTURE(transactions);
+    CAPTURE(written);
     CHECK(frames >= 0);
     CHECK(frames < static_cast<long long>(transactions));
     for (int i : {0, written / 2, written - 1}) {

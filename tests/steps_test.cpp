@@ -462,6 +462,39 @@ TEST_CASE(
   CHECK(shop.orders() == 1);
 }
 
+TEST_CASE(
+    "steps: on a remote store, a call that the store failed after the debit is answered without "
+    "another write, and the key is released with its progress once the store answers") {
+  // A database that stalls fails the debit's record at its deadline; a release sent then would
+  // wait out a deadline of its own before the client hears "outcome unknown". So nothing more
+  // is written: the key stays reserved (in_progress), and release_lost_reservations frees it,
+  // progress kept, once the store works again. The retry then resumes and finds the charge by
+  // the step's derived key.
+  Shop shop;
+  shop.world.faulty->act_remote();
+  const demo::CheckoutRequest order = shop.order();
+  const KeyId id{"alpha", "checkout", "k1"};
+  CHECK_THROWS_AS(shop.checkout("k1", order,
+                                [&](std::string_view at) {
+                                  if (at == "debited: charged, not recorded")
+                                    shop.world.faulty->fail(sim::Operation::steps);
+                                }),
+                  OutcomeUnknownError);
+  CHECK(shop.debits() == 1);
+  std::optional<Record> left = shop.world.idem->store().load(id);
+  REQUIRE(left);
+  CHECK(left->state == State::in_progress);  // no release was written after the failure
+  shop.world.faulty->fail(sim::Operation::steps, false);
+  CHECK(shop.world.idem->release_lost_reservations() == 1);  // the store answers again
+  left = shop.world.idem->store().load(id);
+  REQUIRE(left);
+  CHECK(left->state == State::released);
+  CHECK(shop.checkout("k1", order).response.status == 200);  // resumes with the progress
+  CHECK(shop.debits() == 1);
+  CHECK(shop.metrics().reconciled == 1);
+  CHECK(shop.orders() == 1);
+}
+
 TEST_CASE("steps: a store failure after the debit keeps the key and the retry resumes") {
   // Never "nothing happened" after money moved: the order step cannot be recorded (disk
   // full), the attempt fails with what it knows, and the retry finishes it with one charge.

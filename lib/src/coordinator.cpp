@@ -358,7 +358,8 @@ std::size_t Coordinator::release_lost_reservations() {
     ++released;
     detail::bump(core.counters.released);
     core.log(LogLevel::warning, "released_lost", short_hash(id), id.operation, r->token,
-             "released a reservation of this coordinator whose reply was lost: nobody ran it");
+             "released a reservation of this coordinator that nobody runs any more (its reply "
+             "was lost, or its call ended when the store failed)");
   }
   return released;
 }

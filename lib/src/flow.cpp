@@ -72,6 +72,7 @@ Effect Flow::next() {
       return after_ran();
     case Phase::failed:
       if (mode_ != Mode::reserved) std::rethrow_exception(failure_);
+      if (core_.store->remote() && store_failure(failure_)) defer_release();
       {
         // A record with progress (a multi-step operation) is kept for its retry until the TTL.
         const TimePoint t = core_.now();
@@ -150,8 +151,8 @@ bool Flow::lost_here(const Record& r) {
 
 Effect Flow::free_lost(const Record& r, TimePoint now) {
   log(LogLevel::warning, "released_lost",
-      "the key is held by a reservation of this coordinator whose reply was lost: nobody runs "
-      "it, so it is released",
+      "the key is held by a reservation of this coordinator that nobody runs any more (its "
+      "reply was lost, or its call ended when the store failed), so it is released",
       r.token);
   op_ = StoreOp{.kind = StoreOp::Kind::release,
                 .id = &call_.id,
@@ -219,6 +220,7 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
       const bool takeover = r.kind == Reservation::Kind::taken_over;
       if (!std::exchange(looked_, true)) core_.read_first.fresh();
       token_ = r.token;
+      claim_ = op_.claim;
       if (!call_.steps && now + call_.margin >= reserved_until_ &&
           !test_control::enabled(test_control::Mutation::skip_lease_check)) {
         // The reservation came back with less than the call margin of its lease left (a reply
@@ -446,6 +448,31 @@ Effect Flow::after_late() {
     bump(core_.counters.store_errors);
     log(LogLevel::error, "release_failed", describe(op_.error));
   }
+  std::rethrow_exception(failure_);
+}
+
+bool Flow::store_failure(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const StoreError&) {
+    return true;
+  } catch (const OutcomeUnknownError&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+void Flow::defer_release() {
+  // The store has just failed this call (on a remote store: a deadline, a lost connection).
+  // Releasing now would most likely wait out a deadline of its own before the caller hears
+  // anything, so the key is left to Coordinator::release_lost_reservations, which releases it
+  // (progress kept) once the store answers, and to this coordinator's next call of the key;
+  // at worst it ends with its lease.
+  done_holding();
+  core_.lost.add(claim_, call_.id);
+  log(LogLevel::warning, "release_deferred",
+      "the store failed: the key is released once it answers again (or when its lease ends)");
   std::rethrow_exception(failure_);
 }
 

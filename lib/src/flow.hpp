@@ -119,6 +119,11 @@ class Flow {
   // Whether `r` is a reservation of this coordinator whose reply was lost (LostReservations);
   // it is forgotten there, for this call is about to release it.
   bool lost_here(const Record& r);
+  // Whether `error` is the store's failure (StoreError, or OutcomeUnknownError after a step).
+  static bool store_failure(const std::exception_ptr& error);
+  // Ends a reserved call whose action failed because the store did, without another write:
+  // the key goes to core_.lost for release_lost_reservations.
+  [[noreturn]] void defer_release();
   // Releases `r` (lost_here), then reserves again.
   Effect free_lost(const Record& r, TimePoint now);
   // The action ran but its response was not stored (logged "complete_failed", counted).
@@ -137,6 +142,7 @@ class Flow {
   Mode mode_ = Mode::reserved;
 
   std::int64_t token_ = 0;  // Mode::reserved: this call's fencing token
+  std::int64_t claim_ = 0;  // Mode::reserved: the claim of the reservation that gave token_
   // When the last reservation this call sent ends at the latest, on the call's clock: its
   // lease, counted from when the write went to the store (the store started it then or later,
   // or not at all). A single-step call runs its action only with Call::margin of it left.

@@ -138,14 +138,16 @@ class Coordinator {
   // idem::error(errc::invalid_argument) if `batch` is 0.
   std::vector<ReapedRecord> reap(std::size_t batch = 100);
 
-  // Releases the reservations this coordinator wrote and never learned the outcome of: the
-  // write failed and may have committed all the same (its reply lost as a connection broke),
-  // and the look that followed failed too. Each may hold its key for a whole lease with nobody
-  // to run it; a call of this coordinator that meets one releases it (and goes on), and this
-  // finds them without waiting for a call (Maintenance runs it every dispatch_every). Returns
-  // how many it released (counted in metrics().released, logged "released_lost"); one it cannot
-  // look at yet (the store still failing) is kept for the next run. Throws nothing for the
-  // store's failures (logged, counted).
+  // Releases the reservations this coordinator wrote that nobody runs any more: one whose write
+  // failed and may have committed all the same (its reply lost as a connection broke), with the
+  // look that followed failing too; and, on a remote store (Store::remote()), one whose call
+  // ended because the store failed, left unreleased so that the caller is answered at once
+  // rather than after another deadline (a multi-step record keeps its progress). Each may hold
+  // its key for a whole lease with nobody to run it; a call of this coordinator that meets one
+  // releases it (and goes on), and this finds them without waiting for a call (Maintenance runs it
+  // every dispatch_every). Returns how many it released (counted in metrics().released, logged
+  // "released_lost"); one it cannot look at yet (the store still failing) is kept for the next run.
+  // Throws nothing for the store's failures (logged, counted).
   std::size_t release_lost_reservations();
 
   // The TTL for `operation` (ttl_by_operation, else ttl).

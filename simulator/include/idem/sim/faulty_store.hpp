@@ -47,6 +47,11 @@ class FaultyStore final : public StoreWrapper {
   // the database committed and before its answer arrived. (A failing operation fails first.)
   void lose_replies(Operation op, bool on = true) noexcept;
   bool losing(Operation op) const noexcept;
+  // Whether remote() says true, as a store across a network does (PgStore), whatever the
+  // wrapped store is; the coordinator then treats the store's failures as it would a
+  // database server's. Default: the wrapped store's answer.
+  void act_remote(bool on = true) noexcept { act_remote_ = on; }
+  bool remote() const noexcept override { return act_remote_ || StoreWrapper::remote(); }
 
   Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
                       TimePoint lease) override;
@@ -93,7 +98,8 @@ class FaultyStore final : public StoreWrapper {
     return result;
   }
   std::atomic<unsigned> failing_{0};  // one bit per Operation
-  std::atomic<unsigned> losing_{0};   // one bit per Operation
+  std::atomic<bool> act_remote_{false};
+  std::atomic<unsigned> losing_{0};  // one bit per Operation
 };
 
 }  // namespace idem::sim
