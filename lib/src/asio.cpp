@@ -434,6 +434,7 @@ net::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request reque
     }
     if (failure) {
       AttemptAccess::failed(core, attempt);
+      if (AttemptAccess::store_failed(attempt)) flow.store_failed();
       std::rethrow_exception(failure);
     }
     co_return response;

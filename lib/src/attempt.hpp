@@ -23,6 +23,9 @@ struct AttemptAccess {
   // The action failed: an attempt that recorded a step (or left one pending) is counted and
   // logged as interrupted; its progress stays for the retry.
   static void failed(detail::CoordinatorCore& core, const Attempt& attempt);
+  // Whether a step write of `attempt` failed in the store (whatever the action made of it: a
+  // handler may answer a 503 of its own rather than throw).
+  static bool store_failed(const Attempt& attempt) noexcept { return attempt.store_failed_; }
 
   // The completer's side, shared by Completer and Maintenance: the request that resumes an
   // abandoned operation (InFlight::raise: a holder is left alone), and the bookkeeping of

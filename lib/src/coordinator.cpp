@@ -282,6 +282,7 @@ Outcome Coordinator::call_steps(const Request& request,
       return action(attempt);
     } catch (...) {
       AttemptAccess::failed(core, attempt);
+      if (AttemptAccess::store_failed(attempt)) flow.store_failed();
       throw;
     }
   });

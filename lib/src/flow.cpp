@@ -72,7 +72,7 @@ Effect Flow::next() {
       return after_ran();
     case Phase::failed:
       if (mode_ != Mode::reserved) std::rethrow_exception(failure_);
-      if (core_.store->remote() && store_failure(failure_)) defer_release();
+      if (core_.store->remote() && (store_failed_ || store_failure(failure_))) defer_release();
       {
         // A record with progress (a multi-step operation) is kept for its retry until the TTL.
         const TimePoint t = core_.now();

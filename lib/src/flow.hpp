@@ -72,6 +72,8 @@ class Flow {
   StoreOp& op() noexcept { return op_; }
   void ran(Response response);
   void failed(std::exception_ptr error);
+  // The action's store calls failed (its steps' writes), whatever it answered or threw.
+  void store_failed() noexcept { store_failed_ = true; }
   Outcome outcome() { return std::move(outcome_); }
 
  private:
@@ -141,8 +143,9 @@ class Flow {
   Phase phase_ = Phase::start;
   Mode mode_ = Mode::reserved;
 
-  std::int64_t token_ = 0;  // Mode::reserved: this call's fencing token
-  std::int64_t claim_ = 0;  // Mode::reserved: the claim of the reservation that gave token_
+  std::int64_t token_ = 0;     // Mode::reserved: this call's fencing token
+  std::int64_t claim_ = 0;     // Mode::reserved: the claim of the reservation that gave token_
+  bool store_failed_ = false;  // store_failed(): the action met a failing store
   // When the last reservation this call sent ends at the latest, on the call's clock: its
   // lease, counted from when the write went to the store (the store started it then or later,
   // or not at all). A single-step call runs its action only with Call::margin of it left.

@@ -43,6 +43,7 @@ bool Attempt::may_have_effects() const noexcept {
 }
 
 void Attempt::store_failed(std::string_view step) const {
+  store_failed_ = true;
   if (!may_have_effects()) throw;
   const auto it = unrecorded_.find(step);
   std::throw_with_nested(OutcomeUnknownError(

@@ -150,7 +150,8 @@ class Attempt {
   std::int64_t token_;
   Progress progress_;
   bool resumed_;
-  bool called_ = false;  // this attempt began an external step
+  bool called_ = false;                // this attempt began an external step
+  mutable bool store_failed_ = false;  // a write of this attempt's steps failed in the store
   // What external calls returned in this attempt whose recording failed, by step.
   std::map<std::string, std::string, std::less<>> unrecorded_;
 };
