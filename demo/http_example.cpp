@@ -1,4 +1,4 @@
-// The README's HTTP example: idem's layer in front of a handler in your own Boost.Beast
+// The HTTP example of docs/http.md: idem's layer in front of a handler in your own Boost.Beast
 // server (here blocking, a thread per connection). Built with the project and run by ctest:
 // it fails unless three retries of one POST created one order.
 #include <idem/beast.hpp>

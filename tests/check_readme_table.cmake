@@ -1,0 +1,10 @@
+# Fails unless README.md shows the table `idem-demo table` prints, byte for byte.
+execute_process(COMMAND "${DEMO}" table OUTPUT_VARIABLE table RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "idem-demo table failed (${rc})")
+endif()
+file(READ "${README}" readme)
+string(FIND "${readme}" "```\n${table}```\n" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "README.md does not show the table idem-demo table prints; paste its output into 'What the demo shows'")
+endif()
