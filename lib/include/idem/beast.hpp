@@ -9,7 +9,7 @@
 // For each request the layer decides whether it is protected (by method, per layer), reads
 // the key (one Idempotency-Key field: an RFC 8941 sf-string or a bare key), the tenant, the
 // operation and the fingerprint, and runs the handler through the coordinator. What the
-// client sees (README, "HTTP"):
+// client sees (docs/http.md):
 //   400 idempotency_key_required / idempotency_key_invalid - no key (when required), a
 //       malformed one, or the field sent twice; the handler does not run, nothing is stored;
 //   409 idempotency_key_in_use with Retry-After (whole seconds, >= 1) - the key is held by

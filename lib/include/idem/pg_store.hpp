@@ -76,7 +76,7 @@ struct PgOptions {
   // database-wide lock while its transaction commits, serialising the commits of every node
   // that notifies, a lone completion becomes a pipeline with its NOTIFY, and every
   // listening session is signalled. scripts/bench measured one blocking caller at 0.7 to
-  // 0.9 of its speed without it (README). So it is off by default: waiters in other
+  // 0.9 of its speed without it (docs/postgresql.md). So it is off by default: waiters in other
   // processes poll (1 ms doubling to 8 ms by default), which keeps a hand-off near 10 ms.
   // Turn it on when duplicates often wait across nodes and you would rather they polled
   // seldom (a long Options::poll_max). Default: false.
