@@ -1,7 +1,9 @@
 # Installs the built idem into a fresh prefix, then configures, builds and runs
 # tests/consumer against it with find_package(idem CONFIG), as a user outside the tree would.
 #   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... [-DCXX_COMPILER=...] [-DBUILD_TYPE=...]
-#         [-DCXX_FLAGS=...]
+#         [-DCXX_FLAGS=...] [-DSQLITE_ONLY=ON -DSANITIZE=...]
+# With SQLITE_ONLY it builds and installs idem afresh with every optional part off (SANITIZE:
+# the IDEM_SANITIZE to build it with) and checks the consumer needs neither Boost nor libpq.
 #         -P run.cmake
 foreach(var BUILD_DIR SOURCE_DIR WORK_DIR)
   if(NOT ${var})
@@ -27,15 +29,34 @@ endif()
 
 file(REMOVE_RECURSE ${WORK_DIR})
 set(prefix ${WORK_DIR}/prefix)
+set(sqlite_only)
+if(SQLITE_ONLY)
+  # A fresh build of the library alone, from the same sources: every optional part off, with
+  # Boost and libpq hidden behind tests/consumer/without, then installed.
+  run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/idem -G Ninja -DCMAKE_BUILD_TYPE=${BUILD_TYPE}
+      -DIDEM_ASIO=OFF -DIDEM_HTTP=OFF -DIDEM_PG=OFF -DIDEM_TESTS=OFF -DIDEM_DEMO=OFF -DIDEM_FUZZ=OFF
+      "-DIDEM_SANITIZE=${SANITIZE}"
+      "-DCMAKE_CXX_FLAGS=-I${SOURCE_DIR}/tests/consumer/without"
+      ${compiler})
+  run(${CMAKE_COMMAND} --build ${WORK_DIR}/idem)
+  set(BUILD_DIR ${WORK_DIR}/idem)
+  set(sqlite_only -DIDEM_CONSUMER_SQLITE_ONLY=ON)
+endif()
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
-if(EXISTS ${prefix}/include/idem/internal OR EXISTS ${prefix}/include/idem/sim)
-  message(FATAL_ERROR "internal or simulator headers were installed")
+if(EXISTS ${prefix}/include/idem/internal OR EXISTS ${prefix}/include/idem/sim OR
+   EXISTS ${prefix}/include/idem/test_control.hpp)
+  message(FATAL_ERROR "internal, simulator or test_control headers were installed")
+endif()
+if(SQLITE_ONLY AND (EXISTS ${prefix}/include/idem/asio.hpp OR EXISTS ${prefix}/include/idem/pg_store.hpp))
+  message(FATAL_ERROR "an idem built for SQLite alone installed the headers of parts it left out")
 endif()
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G Ninja
     -DCMAKE_BUILD_TYPE=${BUILD_TYPE} -DCMAKE_PREFIX_PATH=${prefix} "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}"
-    ${compiler})
+    ${compiler} ${sqlite_only})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/blocking_consumer)
-run(${WORK_DIR}/build/coroutine_consumer)
-run(${WORK_DIR}/build/http_consumer)
+if(NOT SQLITE_ONLY)
+  run(${WORK_DIR}/build/coroutine_consumer)
+  run(${WORK_DIR}/build/http_consumer)
+endif()
 file(REMOVE_RECURSE ${WORK_DIR})
