@@ -188,6 +188,13 @@ struct Answer {
   int status = 0;    // as HTTP would say it
 };
 
+// A charge's outcome as a client of the table reports it: the charge id ("replayed ch_1" for a
+// replay) and the HTTP status.
+Answer answer_of(const Outcome& o) {
+  std::string id = nlohmann::json::parse(o.response.body).at("charge_id").get<std::string>();
+  return Answer{o.replayed() ? "replayed " + id : id, to_http(o).status};
+}
+
 // A client sending a charge of `amount` at `at` after the start, always with the same key.
 // The action charges the provider.
 net::awaitable<void> client(Scenario& s, std::string label, long long amount,
@@ -203,9 +210,7 @@ net::awaitable<void> client(Scenario& s, std::string label, long long amount,
   };
   try {
     const Outcome o = co_await async_call(*s.idem, std::move(request), std::move(action));
-    out.status = to_http(o).status;
-    out.text = nlohmann::json::parse(o.response.body).at("charge_id").get<std::string>();
-    if (o.replayed()) out.text = "replayed " + out.text;
+    out = answer_of(o);
   } catch (const InProgressError& e) {
     out = {"IdempotencyInProgressError", to_http(e).status};
   } catch (const KeyReuseError& e) {
@@ -249,9 +254,7 @@ net::awaitable<void> stepped_client(Scenario& s, std::string label, std::chrono:
   };
   try {
     const Outcome o = co_await async_call_steps(*s.idem, std::move(request), std::move(action));
-    out.status = to_http(o).status;
-    out.text = nlohmann::json::parse(o.response.body).at("charge_id").get<std::string>();
-    if (o.replayed()) out.text = "replayed " + out.text;
+    out = answer_of(o);
   } catch (const LeaseLostError& e) {
     out = {"lease lost", to_http(e).status};
   } catch (const OutcomeUnknownError& e) {
