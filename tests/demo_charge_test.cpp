@@ -66,6 +66,28 @@ long long ledger_count(const idem::test::TempDir& dir, const std::string& ledger
   return line.at("count").get<long long>();
 }
 
+// `command` (charge or checkout) for trial `trial`'s own key and order, on `db` and `ledger`,
+// with a provider that does not deduplicate.
+std::vector<std::string> trial_args(const std::string& command, const std::string& db,
+                                    const std::string& ledger, int trial, int lease_ms,
+                                    int latency_ms) {
+  return {command,
+          "--db",
+          db,
+          "--ledger",
+          ledger,
+          "--key",
+          fmt::format("k{}", trial),
+          "--order-id",
+          fmt::format("O-{}", trial),
+          "--lease-ms",
+          std::to_string(lease_ms),
+          "--provider-latency-ms",
+          std::to_string(latency_ms),
+          "--provider-dedup",
+          "off"};
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -154,21 +176,7 @@ TEST_CASE(
   constexpr int kTrials = 50;
   for (int trial = 0; trial < kTrials; ++trial) {
     CAPTURE(trial);
-    const std::vector<std::string> args = {"checkout",
-                                           "--db",
-                                           db,
-                                           "--ledger",
-                                           ledger,
-                                           "--key",
-                                           fmt::format("k{}", trial),
-                                           "--order-id",
-                                           fmt::format("O-{}", trial),
-                                           "--lease-ms",
-                                           "200",
-                                           "--provider-latency-ms",
-                                           "10",
-                                           "--provider-dedup",
-                                           "off"};
+    const std::vector<std::string> args = trial_args("checkout", db, ledger, trial, 200, 10);
     Run victim = start(dir, "victim", args);
     std::this_thread::sleep_for(std::chrono::microseconds(kill_after_us(random)));
     kill(victim.pid, SIGKILL);
@@ -213,21 +221,7 @@ TEST_CASE(
     int owner_refused = 0;
     for (int trial = 0; trial < trials; ++trial) {
       CAPTURE(trial);
-      const std::vector<std::string> args = {command,
-                                             "--db",
-                                             db,
-                                             "--ledger",
-                                             ledger,
-                                             "--key",
-                                             fmt::format("k{}", trial),
-                                             "--order-id",
-                                             fmt::format("O-{}", trial),
-                                             "--lease-ms",
-                                             std::to_string(kLeaseMs),
-                                             "--provider-latency-ms",
-                                             "200",
-                                             "--provider-dedup",
-                                             "off"};
+      const std::vector<std::string> args = trial_args(command, db, ledger, trial, kLeaseMs, 200);
       std::vector<std::string> frozen = args;
       frozen.insert(frozen.end(),
                     {"--stop-at", command == "charge" ? "reserved" : "before debited"});
