@@ -1,6 +1,7 @@
 // The Asio front end on simulated time: the in-flight table (Options::in_flight) from coroutines on
 // one io_context, with exact simulated timings. Each test counts the provider's charges.
 #include "idem/asio.hpp"
+#include "idem/internal/store_stats.hpp"
 #include "idem/sim/async_provider.hpp"
 
 #include <doctest/doctest.h>
@@ -203,7 +204,7 @@ TEST_CASE(
   }
   idem::sim::run(warm, *w.clock);
   const std::size_t charges_before = w.provider->charge_count();
-  const auto stats_before = w.sqlite->commit_stats();
+  const auto stats_before = idem::detail::StoreStats::of(*w.sqlite);
 
   net::io_context io;
   std::vector<Reply> replays(30), firsts(30), seconds(30);
@@ -223,7 +224,7 @@ TEST_CASE(
     CHECK(seconds[u].text == firsts[u].text);
   }
   CHECK(w.provider->charge_count() - charges_before == 30);  // once per new key
-  const auto stats = w.sqlite->commit_stats();
+  const auto stats = idem::detail::StoreStats::of(*w.sqlite);
   const auto transactions = stats.transactions - stats_before.transactions;
   const auto ops = stats.ops - stats_before.ops;
   CHECK(ops >= 60);  // 30 reservations that won, 30 completions, and the losers' tries

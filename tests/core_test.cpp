@@ -16,6 +16,7 @@
 #include "../lib/src/read_first.hpp"
 #include "../lib/src/sql.hpp"
 #include "bench/floor_sql.hpp"
+#include "idem/internal/store_stats.hpp"
 #include "idem/store_wrapper.hpp"
 #include "test_support.hpp"
 
@@ -338,7 +339,7 @@ TEST_CASE("group commit: threads that write at once share transactions, each op 
   // a round shows them overlapping (batched), as race tests do.
   int rounds = 0;
   for (; rounds < 20; ++rounds) {
-    const auto before = sqlite->commit_stats();
+    const auto before = idem::detail::StoreStats::of(*sqlite);
     std::latch start(kThreads);
     std::atomic<int> reserved{0};
     std::vector<std::thread> threads;
@@ -359,7 +360,7 @@ TEST_CASE("group commit: threads that write at once share transactions, each op 
     }
     for (auto& t : threads) t.join();
     REQUIRE(reserved == kThreads * kEach);  // each op applied once
-    const auto stats = sqlite->commit_stats();
+    const auto stats = idem::detail::StoreStats::of(*sqlite);
     REQUIRE(stats.ops - before.ops == static_cast<decltype(stats.ops)>(kThreads * kEach));
     if (stats.transactions - before.transactions < stats.ops - before.ops) break;
   }

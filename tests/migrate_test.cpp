@@ -286,7 +286,6 @@ TEST_CASE(
   CHECK_FALSE(pg->complete(id, zombie, StoredResponse{Response{200, "zombie", {}}, ""}, now + 1h));
   CHECK_FALSE(pg->release(id, zombie, now));
   CHECK_FALSE(pg->renew(id, zombie, now + 1h));
-  CHECK_FALSE(pg->set_recovery_point(id, zombie, "zombie"));
   CHECK_FALSE(pg->mark_pending(id, zombie, held.token, "noted", {now, now + 1s, now + 1h}));
   CHECK_FALSE(pg->begin_steps(id, zombie, "zombie"));
   bool ran = false;

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "idem/errors.hpp"
+#include "idem/internal/store_stats.hpp"
 #include "idem/replay_cache.hpp"
 #include "store_engines.hpp"
 
@@ -121,9 +122,9 @@ TEST_CASE("postgresql: a batch is one transaction in one round trip, each op its
        .token = r.token,
        .response = &done},
   };
-  const idem::PgStore::Stats before = store->stats();
+  const idem::detail::PgStats before = idem::detail::StoreStats::of(*store);
   store->apply(pointers(ops));
-  const idem::PgStore::Stats after = store->stats();
+  const idem::detail::PgStats after = idem::detail::StoreStats::of(*store);
   CHECK(after.transactions - before.transactions == 1);
   CHECK(after.round_trips - before.round_trips == 1);
   CHECK(after.ops - before.ops == 5);
@@ -209,14 +210,14 @@ TEST_CASE("postgresql: a lost connection is a StoreError, and the next call reco
   idem::PgStore& store = *named;
   const idem::KeyId id{"alpha", "pay", "k"};
   const Reservation r = store.reserve(id, kFp, T0, T0 + 30s);
-  CHECK(store.stats().connects == 1);
+  CHECK(idem::detail::StoreStats::of(store).connects == 1);
   CHECK(cut_connections(e.conninfo, app) == 1);
   CHECK_THROWS_AS(store.load(id), idem::StoreError);
   // The record outlives the connection; the store connects again by itself.
   const auto rec = store.load(id);
   REQUIRE(rec);
   CHECK(rec->token == r.token);
-  CHECK(store.stats().connects == 2);
+  CHECK(idem::detail::StoreStats::of(store).connects == 2);
   CHECK(store.complete(id, r.token, response("ok"), T0 + 1h));
 }
 
@@ -254,7 +255,7 @@ TEST_CASE("postgresql: batches in flight at once go out on their own connections
       ids2{{"alpha", "pay", "b1"}, {"alpha", "pay", "dup"}}, ids3{{"alpha", "pay", "c1"}};
   std::vector<StoreOp> ops1 = reserves(ids1), ops2 = reserves(ids2), ops3 = reserves(ids3);
   const std::vector<StoreOp*> p1 = pointers(ops1), p2 = pointers(ops2), p3 = pointers(ops3);
-  const idem::PgStore::Stats before = store.stats();
+  const idem::detail::PgStats before = idem::detail::StoreStats::of(store);
   std::unique_ptr<idem::PendingApply> first = store.start_apply(p1);
   std::unique_ptr<idem::PendingApply> second = store.start_apply(p2);
   REQUIRE(first);
@@ -279,7 +280,7 @@ TEST_CASE("postgresql: batches in flight at once go out on their own connections
   const int won = (ops1[1].reservation.kind == Reservation::Kind::reserved ? 1 : 0) +
                   (ops2[1].reservation.kind == Reservation::Kind::reserved ? 1 : 0);
   CHECK(won == 1);
-  const idem::PgStore::Stats after = store.stats();
+  const idem::detail::PgStats after = idem::detail::StoreStats::of(store);
   CHECK(after.async_batches - before.async_batches == 2);
   CHECK(after.most_batches_in_flight == 2);
   CHECK(after.transactions - before.transactions == 3);
@@ -307,7 +308,7 @@ TEST_CASE("postgresql: a batch abandoned or cut off fails alone, and the next on
     auto pending = store.start_apply(ptrs_ops);
     REQUIRE(pending);
   }  // destroyed unread: its connection is dropped (whether it committed is unknown)
-  const std::uint64_t connects = store.stats().connects;
+  const std::uint64_t connects = idem::detail::StoreStats::of(store).connects;
   const std::vector<idem::KeyId> c{{"alpha", "pay", "c"}}, d{{"alpha", "pay", "d"}},
       e_{{"alpha", "pay", "e"}}, f{{"alpha", "pay", "f"}};
   std::vector<StoreOp> next = reserves(c);
@@ -317,7 +318,7 @@ TEST_CASE("postgresql: a batch abandoned or cut off fails alone, and the next on
   wait_for(*pending);
   CHECK_FALSE(next[0].error);
   CHECK(next[0].reservation.kind == Reservation::Kind::reserved);
-  CHECK(store.stats().connects == connects + 1);
+  CHECK(idem::detail::StoreStats::of(store).connects == connects + 1);
   // The batch connection is cut while a batch waits: that batch fails with StoreError, the
   // next one connects again and succeeds.
   std::vector<StoreOp> cut = reserves(d);
@@ -418,10 +419,10 @@ TEST_CASE("postgresql: replays of a hot key through the replay cache make no rou
   };
   CHECK(idem.call(request("hot"), charge).source == idem::Outcome::Source::executed);
   CHECK(idem.call(request("hot"), charge).replayed());  // read once from PostgreSQL, then held
-  const std::uint64_t round_trips = pg->stats().round_trips;
+  const std::uint64_t round_trips = idem::detail::StoreStats::of(*pg).round_trips;
   for (int i = 0; i < 50; ++i) CHECK(idem.call(request("hot"), charge).replayed());
   CHECK_THROWS_AS(idem.call(request("hot", 1), charge), idem::KeyReuseError);
-  CHECK(pg->stats().round_trips == round_trips);
+  CHECK(idem::detail::StoreStats::of(*pg).round_trips == round_trips);
   CHECK(charges == 1);
 }
 
@@ -483,7 +484,8 @@ TEST_CASE("postgresql: a duplicate waiting in another node is woken by NOTIFY, n
   REQUIRE(idem::test::eventually([&] { return node_b.metrics().waited == 1; }));
   // B's LISTEN runs on its own thread and connection; a NOTIFY committed before it takes
   // effect is never delivered (B would poll, but its clock is frozen).
-  REQUIRE(idem::test::eventually([&] { return b_store->stats().listens >= 1; }));
+  REQUIRE(
+      idem::test::eventually([&] { return idem::detail::StoreStats::of(*b_store).listens >= 1; }));
   release.count_down();
   holder.join();
   // A failure bound, not a measurement: without the wake-up, B would wait forever; then the
@@ -494,6 +496,6 @@ TEST_CASE("postgresql: a duplicate waiting in another node is woken by NOTIFY, n
   CHECK(woken);
   CHECK(waited.replayed());
   CHECK(provider.charge_count() == 1);
-  CHECK(b_store->stats().wakeups >= 1);
-  CHECK(a_store->stats().notify_batches >= 1);
+  CHECK(idem::detail::StoreStats::of(*b_store).wakeups >= 1);
+  CHECK(idem::detail::StoreStats::of(*a_store).notify_batches >= 1);
 }

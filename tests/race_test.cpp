@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "idem/asio.hpp"
+#include "idem/internal/store_stats.hpp"
 #include "idem/sim/async_provider.hpp"
 #include "store_engines.hpp"
 #include "test_support.hpp"
@@ -143,7 +144,7 @@ TEST_CASE("race: 64 coroutines on two threads, PostgreSQL batches in flight at o
   }
   waited = idem.metrics().waited;
   CHECK(waited > 0);  // duplicates overlapped their first
-  const idem::PgStore::Stats s = store->stats();
+  const idem::detail::PgStats s = idem::detail::StoreStats::of(*store);
   CHECK(s.async_batches > 0);            // the io_context waited for the batches
   CHECK(s.most_batches_in_flight == 2);  // and two were in the database at once
 }

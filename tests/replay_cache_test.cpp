@@ -25,11 +25,6 @@ class CountingStore final : public idem::StoreWrapper {
     ++loads;
     return StoreWrapper::load(id);
   }
-  idem::Reservation reserve(const idem::KeyId& id, const idem::Fingerprint& fp, idem::TimePoint now,
-                            idem::TimePoint lease_until) override {
-    ++looks;
-    return StoreWrapper::reserve(id, fp, now, lease_until);
-  }
   void apply(std::span<idem::StoreOp* const> ops) override {
     for (const idem::StoreOp* op : ops) {
       const bool look = op->kind == idem::StoreOp::Kind::reserve ||

@@ -1,4 +1,5 @@
 #include "idem/sqlite_store.hpp"
+#include "idem/internal/store_stats.hpp"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -182,7 +183,7 @@ TEST_CASE("sqlite_store: group commit: a batch of ops is one transaction") {
   const idem::KeyId k1{"alpha", "op", "k1"}, k2{"alpha", "op", "k2"}, k3{"alpha", "op", "k3"};
   const Reservation held = reserve_at(s, T0, kFp, k2);  // k2: live, someone else's
   const Reservation mine = reserve_at(s, T0, kFp, k3);  // k3: ours, to complete
-  const auto before = s.commit_stats();
+  const auto before = idem::detail::StoreStats::of(s);
 
   idem::StoreOp fresh, dup, busy, done, stale;
   fresh.kind = dup.kind = busy.kind = idem::StoreOp::Kind::reserve;
@@ -205,7 +206,7 @@ TEST_CASE("sqlite_store: group commit: a batch of ops is one transaction") {
   for (const idem::StoreOp* op : ops) CHECK_FALSE(op->error);
   CHECK(done.applied);
   CHECK_FALSE(stale.applied);
-  const auto after = s.commit_stats();
+  const auto after = idem::detail::StoreStats::of(s);
   CHECK(after.transactions - before.transactions == 1);
   CHECK(after.ops - before.ops == 5);
 }
@@ -245,14 +246,14 @@ TEST_CASE(
     const idem::StoredResponse body = response("ch_1");
     // Write until the checkpointer has finished three checkpoints (progress, not time, ends
     // the loop; the bound only turns a checkpointer that never runs into a failure).
-    for (; s.commit_stats().checkpoints < 3; ++written) {
+    for (; idem::detail::StoreStats::of(s).checkpoints < 3; ++written) {
       REQUIRE(written < 200000);
       const idem::KeyId id{"alpha", "payment.charge", fmt::format("k{}", written)};
       const auto r = s.reserve(id, kFp, T0, T0 + 30s);
       REQUIRE(r.kind == Reservation::Kind::reserved);
       REQUIRE(s.complete(id, r.token, body, T0 + 24h));
     }
-    transactions = s.commit_stats().transactions;
+    transactions = idem::detail::StoreStats::of(s).transactions;
     // A WAL that never started over would hold at least one frame per transaction; after a
     // checkpoint it holds only what was written since.
     const long long frames = wal_frames(path);

@@ -337,11 +337,11 @@ TEST_CASE("steps: a zombie's local step rolls back whole when refused") {
   const KeyId id{"alpha", "checkout", "k1"};
   const Reservation r = shop.world.store->reserve(
       id, Fingerprint::of_bytes("x"), shop.world.clock->now(), shop.world.clock->now() + 10s);
-  REQUIRE(shop.world.store->begin_steps(id, r.token, "{}"));
+  REQUIRE(idem::steps_of(*shop.world.store).begin_steps(id, r.token, "{}"));
   bool ran = false;
   StepCommit stale{StepResult{"order_created", "pay_1", false}, shop.world.clock->now(),
                    [&](LocalTransaction&) { ran = true; }};
-  CHECK_FALSE(shop.world.store->commit_step(id, r.token - 1, r.token, stale));
+  CHECK_FALSE(idem::steps_of(*shop.world.store).commit_step(id, r.token - 1, r.token, stale));
   CHECK_FALSE(ran);
   // The current token commits the work and the recovery point together; a failure inside
   // the work rolls both back.
@@ -354,9 +354,10 @@ TEST_CASE("steps: a zombie's local step rolls back whole when refused") {
         tx.enqueue("mail", "{}");
         throw std::runtime_error("disk full in the middle");
       }};
-  CHECK_THROWS_AS(shop.world.store->commit_step(id, r.token, r.token, failing), std::runtime_error);
+  CHECK_THROWS_AS(idem::steps_of(*shop.world.store).commit_step(id, r.token, r.token, failing),
+                  std::runtime_error);
   CHECK(shop.orders() == 0);
-  CHECK(shop.world.store->outbox_counts().pending == 0);
+  CHECK(idem::steps_of(*shop.world.store).outbox_counts().pending == 0);
   CHECK_FALSE(shop.world.store->load(id)->recovery_point);
 }
 
@@ -550,7 +551,7 @@ TEST_CASE("steps: call_steps never runs unprotected, even under fail_open") {
 TEST_CASE("outbox: delivered at least once, deduplicated by message id, backoff, parking") {
   Shop shop;
   shop.checkout("k1", shop.order());
-  CHECK(shop.world.store->outbox_counts().pending == 1);
+  CHECK(idem::steps_of(*shop.world.store).outbox_counts().pending == 1);
   SUBCASE("delivered, then the mark is lost: delivered again, the journal keeps one") {
     int tries = 0;
     Dispatcher lossy(*shop.world.idem, [&](const OutboxMessage& m) {
@@ -583,7 +584,7 @@ TEST_CASE("outbox: delivered at least once, deduplicated by message id, backoff,
     shop.world.clock->advance(1h);
     const DispatchReport later = d.run_once();
     CHECK(later.delivered + later.retried + later.parked == 0);
-    CHECK(shop.world.store->outbox_counts().parked == 1);
+    CHECK(idem::steps_of(*shop.world.store).outbox_counts().parked == 1);
     CHECK(shop.metrics().outbox_parked == 1);
     CHECK(shop.mails() == 0);
   }
@@ -605,7 +606,8 @@ TEST_CASE("maintenance: under a load of new keys the database stays bounded once
     shop.world.clock->advance(1min);
     run_coroutine(maintenance.run_once());
     most_rows = std::max(most_rows, raw.rows());
-    CHECK(shop.world.store->outbox_counts().pending == 0);  // the outbox drains every round
+    CHECK(idem::steps_of(*shop.world.store).outbox_counts().pending ==
+          0);  // the outbox drains every round
   }
   // Two minutes of keys at most (the TTL), however long the load runs.
   CHECK(most_rows <= 3 * 20);
@@ -721,7 +723,7 @@ TEST_CASE(
     clock->advance(1min);
     const MaintenanceReport round = run_coroutine(api.maintenance().run_once());
     CHECK(round.failures == 0);
-    CHECK(api.coordinator().store().outbox_counts().pending == 0);
+    CHECK(idem::steps_of(api.coordinator().store()).outbox_counts().pending == 0);
     most_keys = std::max(most_keys, raw.rows());
     most_outbox = std::max(most_outbox, raw.scalar("SELECT count(*) FROM idem_outbox"));
   }

@@ -27,7 +27,7 @@ struct SqliteEngine {
 
   bool available() const { return true; }
   // A second call opens a second store on the same file, as another process would.
-  std::shared_ptr<Store> open() const { return std::make_shared<SqliteStore>(path); }
+  std::shared_ptr<SqliteStore> open() const { return std::make_shared<SqliteStore>(path); }
   // SQL for a local step (LocalTransaction::execute) in this engine's dialect.
   static std::string sql(std::string_view sqlite_text, std::string_view /*pg_text*/) {
     return std::string(sqlite_text);
@@ -48,7 +48,7 @@ struct PgEngine {
   bool available() const { return !conninfo.empty(); }
   // The caller's clock: the tests pass simulated times. A second call opens a second store
   // on the same schema, as another node would.
-  std::shared_ptr<Store> open() const {
+  std::shared_ptr<PgStore> open() const {
     return std::make_shared<PgStore>(conninfo,
                                      PgOptions{.schema = schema, .clock = PgClock::caller});
   }

@@ -423,7 +423,7 @@ net::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request reque
   const std::string payload = request.payload;
   const AsyncRun run = [&core, &action, &payload](detail::Flow& flow) -> net::awaitable<Response> {
     std::optional<Progress> progress = co_await store_call<std::optional<Progress>>(
-        core, [&] { return core.store->begin_steps(flow.id(), flow.token(), payload); });
+        core, [&] { return steps_of(*core.store).begin_steps(flow.id(), flow.token(), payload); });
     Attempt attempt = AttemptAccess::started(core, flow.id(), flow.token(), std::move(progress));
     std::exception_ptr failure;
     Response response;

@@ -4,7 +4,7 @@
 #include <mutex>
 #include <thread>
 
-#include "idem/timer_queue.hpp"
+#include "idem/internal/timer_queue.hpp"
 
 namespace idem {
 

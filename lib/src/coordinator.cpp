@@ -294,7 +294,7 @@ std::vector<AbandonedOperation> Coordinator::abandoned(std::chrono::milliseconds
   detail::check(limit > 0, "abandoned: limit must be at least 1");
   if (operations.empty()) return {};
   const TimePoint now = core_->now();
-  return core_->store->abandoned(now - idle_for, now, limit, operations);
+  return steps_of(*core_->store).abandoned(now - idle_for, now, limit, operations);
 }
 
 // --- Maintenance and introspection ---------------------------------------------------------

@@ -70,12 +70,6 @@ OutcomeUnknownError::OutcomeUnknownError(std::string step, std::optional<std::st
       step_(std::move(step)),
       result_(std::move(result)) {}
 
-StoreError::StoreError(const std::string& what, int sqlite_code)
-    : StoreError(errc::store_unavailable, what, sqlite_code) {}
-
-StoreError::StoreError(errc code, const std::string& what, int sqlite_code)
-    : error(code, what), sqlite_code_(sqlite_code) {}
-
 CorruptRecordError::CorruptRecordError(const std::string& what)
     : StoreError(errc::corrupt_record, what, 0) {}
 

@@ -135,7 +135,7 @@ Effect Flow::after_read() {
       // The reservation committed; only its reply was lost. The call owns the key.
       log(LogLevel::warning, "reservation_confirmed",
           "the reservation's reply was lost; a look found it committed", r.token);
-      op_.reservation = Reservation{Reservation::Kind::reserved, r.token, r.recovery_point, {}};
+      op_.reservation = Reservation{Reservation::Kind::reserved, r.token, {}};
       return act(Decision::run_reserved, nullptr, t);
     }
     if (lost_here(r)) return free_lost(r, t);

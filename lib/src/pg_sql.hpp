@@ -10,9 +10,7 @@
 
 namespace idem::pg_sql {
 
-inline constexpr const char* kBegin = "BEGIN";
-inline constexpr const char* kCommit = "COMMIT";
-inline constexpr const char* kRollback = "ROLLBACK";
+// BEGIN, COMMIT and ROLLBACK are the connection's: idem/internal/connection_sql.hpp.
 
 // Wake-ups (PgOptions::notify). A format string: the channel as a quoted identifier.
 inline constexpr std::string_view kListen = "LISTEN {}";
@@ -94,7 +92,8 @@ CREATE INDEX idem_outbox_due ON {s}.idem_outbox (state, next_at);
 -- otherwise, under the row's lock, the live record back (o_kind 2), or a record that no
 -- longer counts replaced by this reservation (o_kind 0, or 1 for a takeover of an expired
 -- lease) with a token past every earlier one of the key and past the clock. A record with
--- progress keeps its key for its own request (SqliteStore's reserve_in_tx, line for line).
+-- progress keeps its key for its own request: the rule of reserve_rule.hpp, which
+-- tests/reserve_rule_test.cpp holds this function to, case by case.
 CREATE FUNCTION {s}.idem_reserve(
     p_tenant text, p_operation text, p_key text, p_fp bytea, p_now bigint, p_lease bigint,
     OUT o_kind smallint, OUT o_token bigint, OUT o_point text,
@@ -196,7 +195,8 @@ END $$;
     // (Record::claim); and idem_reserve on the database's clock: given no p_now, it judges the
     // record at the moment it runs and starts the lease (p_lease, a duration) then, so a
     // reservation that arrives late never writes a lease that has already ended. (v1's
-    // idem_reserve stays, for nodes not yet upgraded.)
+    // idem_reserve stays, for nodes not yet upgraded.) Its rule is reserve_rule.hpp's, held to
+    // it by tests/reserve_rule_test.cpp.
     R"sql(
 ALTER TABLE {s}.idem_keys ADD COLUMN claim bigint;
 CREATE FUNCTION {s}.idem_now() RETURNS bigint LANGUAGE sql VOLATILE
@@ -304,11 +304,6 @@ WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND sta
 // $4 token $5 lease_until
 inline constexpr std::string_view kRenew = R"sql(
 UPDATE {s}.idem_keys SET lease_until = $5::bigint, expires_at = $5::bigint
-WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND state = 1)sql";
-
-// $4 token $5 recovery point
-inline constexpr std::string_view kSetRecoveryPoint = R"sql(
-UPDATE {s}.idem_keys SET recovery_point = $5::text
 WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND state = 1)sql";
 
 // $1 now $2 limit. Rows another node is deleting or writing are skipped, not waited for.

@@ -117,32 +117,12 @@ ReplayCache::ReplayCache(std::shared_ptr<Store> target, ReplayCacheOptions optio
 
 ReplayCache::~ReplayCache() = default;
 
-Reservation ReplayCache::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                                 TimePoint lease_until) {
-  if (std::optional<Record> held = impl_->lookup(id, now)) {
-    return found(std::move(*held));
-  }
-  Reservation r = StoreWrapper::reserve(id, fingerprint, now, lease_until);
-  if (r.kind == Reservation::Kind::existing && r.existing) impl_->remember(id, *r.existing, now);
-  return r;
-}
-
 std::optional<Record> ReplayCache::load(const KeyId& id) {
   const TimePoint now = impl_->options.clock->now();
   if (std::optional<Record> held = impl_->lookup(id, now)) return held;
   std::optional<Record> r = StoreWrapper::load(id);
   if (r) impl_->remember(id, *r, now);
   return r;
-}
-
-std::optional<Record> ReplayCache::store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
-                                                   const StoredResponse& response, TimePoint now,
-                                                   TimePoint expires_at) {
-  if (std::optional<Record> held = impl_->lookup(id, now)) return held;
-  std::optional<Record> winner =
-      StoreWrapper::store_if_absent(id, fingerprint, response, now, expires_at);
-  if (winner) impl_->remember(id, *winner, now);
-  return winner;
 }
 
 namespace {

@@ -217,11 +217,6 @@ inline constexpr std::string_view kRenew = R"sql(
 UPDATE idem_keys SET lease_until = ?5, expires_at = ?5
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
-// ?4 token ?5 recovery point
-inline constexpr std::string_view kSetRecoveryPoint = R"sql(
-UPDATE idem_keys SET recovery_point = ?5
-WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
-
 // InFlight::run: a completed record straight away. ?4 fingerprint ?5 token (= now)
 // ?6 now ?7 expires_at ?8 status ?9 headers ?10 body ?11 body_ref. Changes one row only if
 // the key was absent.

@@ -11,7 +11,9 @@
 #include "fair_mutex.hpp"
 #include "idem/errors.hpp"
 #include "idem/internal/sqlite.hpp"
+#include "idem/internal/store_stats.hpp"
 #include "idem/test_control.hpp"
+#include "reserve_rule.hpp"
 #include "sql.hpp"
 #include "sqlite_checkpointer.hpp"
 #include "sqlite_codec.hpp"
@@ -124,8 +126,7 @@ struct SqliteStore::Impl {
   sqlite::Connection db;
   sqlite::TransactionStatements tx;
   // Every statement, prepared once when the store opens and reused.
-  Statement reserve, replace_dead, load, complete, release, renew, set_recovery_point,
-      insert_completed, purge, reap;
+  Statement reserve, replace_dead, load, complete, release, renew, insert_completed, purge, reap;
   // Multi-step operations and the outbox.
   Statement has_progress, load_progress, begin_steps, mark_pending, set_progress, abandoned,
       outbox_insert, outbox_any_due, outbox_claim, outbox_delivered, outbox_failed, outbox_counts,
@@ -151,7 +152,6 @@ struct SqliteStore::Impl {
         complete(db.get(), sql::kComplete),
         release(db.get(), sql::kRelease),
         renew(db.get(), sql::kRenew),
-        set_recovery_point(db.get(), sql::kSetRecoveryPoint),
         insert_completed(db.get(), sql::kInsertCompleted),
         purge(db.get(), sql::kPurge),
         reap(db.get(), sql::kReap),
@@ -249,45 +249,26 @@ struct SqliteStore::Impl {
       reserve.bind(6, detail::ms(lease_until));
       reserve.bind(7, detail::ms(now));
       bind_claim(reserve, 8, claim);
-      if (changed(reserve)) {
+      if (changed(reserve)) {  // there was no record: reserve_rule's answer is a fresh token
         out.token = detail::ms(now);
         return out;
       }
     }
     std::optional<Record> existing = load_record(id);
     if (!existing) throw StoreError("sqlite: reserve: conflicting row vanished", 0);
-    if (existing->live_at(now)) {
-      out.kind = Reservation::Kind::existing;
+    const detail::ReserveAnswer rule =
+        detail::reserve_rule(&*existing, !existing->live_at(now) && record_has_progress(id),
+                             fingerprint, now, detail::ms(now));
+    out.kind = rule.kind;
+    if (rule.kind == Reservation::Kind::existing) {
       out.existing = std::move(existing);
       return out;
     }
-    // A multi-step operation that made progress keeps its key for its own retry: after a
-    // crash (in_progress, its lease over) and, once it failed and released, until its
-    // record's expiry. Another request with this key is a reuse: money may have moved under
-    // the first, and taking the key would orphan it.
-    const bool progress = record_has_progress(id);
-    const bool same = existing->fingerprint == fingerprint;
-    const bool kept =
-        progress && (existing->state == State::in_progress ||
-                     (existing->state == State::released && now < existing->expires_at));
-    if (kept && !same) {
-      out.kind = Reservation::Kind::existing;
-      out.existing = std::move(existing);
-      return out;
-    }
-    // The record no longer counts: replace it with our reservation. The token grows past
-    // every earlier token of this key, and past the clock, so a token stays unique even
-    // after a purge deleted the row. The same request resumes an in_progress record (a
-    // takeover) or a released one with progress (a retry after a failed step).
-    const bool takeover = existing->state == State::in_progress;
-    const bool resume = same && (takeover || (progress && existing->state == State::released &&
-                                              now < existing->expires_at));
-    out.kind = takeover ? Reservation::Kind::taken_over : Reservation::Kind::reserved;
-    out.token = std::max(existing->token + 1, detail::ms(now));
-    if (takeover && test_control::enabled(test_control::Mutation::takeover_reuses_token))
+    out.token = rule.token;
+    if (rule.kind == Reservation::Kind::taken_over &&
+        test_control::enabled(test_control::Mutation::takeover_reuses_token))
       out.token = existing->token;
-    if (resume) out.recovery_point = existing->recovery_point;
-    replace(id, fingerprint, out.token, now, lease_until, resume, existing->token, claim);
+    replace(id, fingerprint, out.token, now, lease_until, rule.resume, existing->token, claim);
     return out;
   }
 
@@ -463,10 +444,11 @@ void SqliteStore::apply(std::span<StoreOp* const> ops) {
   }
 }
 
-SqliteStore::CommitStats SqliteStore::commit_stats() const {
-  return CommitStats{impl_->transactions.load(std::memory_order_relaxed),
-                     impl_->committed_ops.load(std::memory_order_relaxed),
-                     impl_->checkpointer ? impl_->checkpointer->checkpoints() : 0};
+detail::SqliteStats detail::StoreStats::of(const SqliteStore& store) {
+  const SqliteStore::Impl& d = *store.impl_;
+  return SqliteStats{d.transactions.load(std::memory_order_relaxed),
+                     d.committed_ops.load(std::memory_order_relaxed),
+                     d.checkpointer ? d.checkpointer->checkpoints() : 0};
 }
 
 bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
@@ -476,18 +458,6 @@ bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_unt
     detail::bind_id(s, id);
     s.bind(4, token);
     s.bind(5, detail::ms(lease_until));
-    return Impl::changed(s);
-  });
-}
-
-bool SqliteStore::set_recovery_point(const KeyId& id, std::int64_t token,
-                                     const std::string& point) {
-  return impl_->write([&]() -> bool {
-    Statement& s = impl_->set_recovery_point;
-    ResetGuard reset(s);
-    detail::bind_id(s, id);
-    s.bind(4, token);
-    s.bind(5, point);
     return Impl::changed(s);
   });
 }

@@ -71,7 +71,7 @@ std::string Attempt::record(StepCommit& commit) {
   const bool reconciled = commit.result.reconciled;
   bool committed = false;
   try {
-    committed = core_.store->commit_step(id_, token_, progress_.origin, commit);
+    committed = steps_of(*core_.store).commit_step(id_, token_, progress_.origin, commit);
   } catch (const StoreError&) {
     store_failed(step);
   }
@@ -120,7 +120,7 @@ void Attempt::begin_call(std::string_view step) {
   if (unchecked) lease = LeaseCheck{sent, TimePoint{}, TimePoint{}};  // no check, no renewal
   bool marked = false;
   try {
-    marked = core_.store->mark_pending(id_, token_, progress_.origin, name, lease);
+    marked = steps_of(*core_.store).mark_pending(id_, token_, progress_.origin, name, lease);
   } catch (const StoreError&) {
     store_failed(step);
   }
@@ -167,7 +167,7 @@ std::string Attempt::external(std::string_view step, const ExternalCall& call,
 
 Attempt AttemptAccess::begin(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
                              const std::string& payload) {
-  return started(core, id, token, core.store->begin_steps(id, token, payload));
+  return started(core, id, token, steps_of(*core.store).begin_steps(id, token, payload));
 }
 
 Attempt AttemptAccess::started(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
@@ -292,7 +292,7 @@ Dispatcher::Dispatcher(Coordinator& coordinator, Delivery delivery, OutboxOption
 
 DispatchReport Dispatcher::run_once() {
   detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator_);
-  Store& store = *core.store;
+  StepStore& store = steps_of(*core.store);
   DispatchReport report;
   for (;;) {
     const TimePoint now = core.now();
@@ -343,7 +343,7 @@ std::size_t Dispatcher::purge() {
       std::min(options_.keep_delivered.value_or(core.options.ttl), core.options.ttl);
   std::size_t total = 0;
   for (;;) {
-    const std::size_t n = core.store->purge_outbox(core.now() - keep, options_.batch);
+    const std::size_t n = steps_of(*core.store).purge_outbox(core.now() - keep, options_.batch);
     total += n;
     if (n < options_.batch) return total;
   }

@@ -8,36 +8,11 @@ StoreWrapper::StoreWrapper(std::shared_ptr<Store> target) : target_(std::move(ta
   if (!target_) throw error(errc::invalid_argument, "idem: StoreWrapper needs a store to wrap");
 }
 
-Reservation StoreWrapper::reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                                  TimePoint lease_until) {
-  return target_->reserve(id, fingerprint, now, lease_until);
-}
-
-bool StoreWrapper::complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
-                            TimePoint expires_at) {
-  return target_->complete(id, token, response, expires_at);
-}
-
-bool StoreWrapper::release(const KeyId& id, std::int64_t token, TimePoint now) {
-  return target_->release(id, token, now);
-}
-
 bool StoreWrapper::renew(const KeyId& id, std::int64_t token, TimePoint lease_until) {
   return target_->renew(id, token, lease_until);
 }
 
-bool StoreWrapper::set_recovery_point(const KeyId& id, std::int64_t token,
-                                      const std::string& point) {
-  return target_->set_recovery_point(id, token, point);
-}
-
 std::optional<Record> StoreWrapper::load(const KeyId& id) { return target_->load(id); }
-
-std::optional<Record> StoreWrapper::store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
-                                                    const StoredResponse& response, TimePoint now,
-                                                    TimePoint expires_at) {
-  return target_->store_if_absent(id, fingerprint, response, now, expires_at);
-}
 
 void StoreWrapper::apply(std::span<StoreOp* const> ops) { target_->apply(ops); }
 
@@ -51,42 +26,44 @@ std::size_t StoreWrapper::concurrent_applies() const noexcept {
 
 bool StoreWrapper::remote() const noexcept { return target_->remote(); }
 
+StepStore* StoreWrapper::steps() noexcept { return target_->steps() != nullptr ? this : nullptr; }
+
 std::optional<Progress> StoreWrapper::begin_steps(const KeyId& id, std::int64_t token,
                                                   const std::string& request) {
-  return target_->begin_steps(id, token, request);
+  return steps_of(*target_).begin_steps(id, token, request);
 }
 
 bool StoreWrapper::mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
                                 const std::string& step, const LeaseCheck& lease) {
-  return target_->mark_pending(id, token, origin, step, lease);
+  return steps_of(*target_).mark_pending(id, token, origin, step, lease);
 }
 
 bool StoreWrapper::commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
                                const StepCommit& step) {
-  return target_->commit_step(id, token, origin, step);
+  return steps_of(*target_).commit_step(id, token, origin, step);
 }
 
 std::vector<AbandonedOperation> StoreWrapper::abandoned(TimePoint idle_before, TimePoint now,
                                                         std::size_t limit,
                                                         std::span<const std::string> operations) {
-  return target_->abandoned(idle_before, now, limit, operations);
+  return steps_of(*target_).abandoned(idle_before, now, limit, operations);
 }
 
 std::vector<OutboxMessage> StoreWrapper::claim_outbox(TimePoint now, TimePoint claim_until,
                                                       std::size_t limit) {
-  return target_->claim_outbox(now, claim_until, limit);
+  return steps_of(*target_).claim_outbox(now, claim_until, limit);
 }
 
 bool StoreWrapper::outbox_delivered(const std::string& id, TimePoint now) {
-  return target_->outbox_delivered(id, now);
+  return steps_of(*target_).outbox_delivered(id, now);
 }
 
 void StoreWrapper::outbox_failed(const std::string& id, TimePoint retry_at, bool park,
                                  const std::string& why) {
-  target_->outbox_failed(id, retry_at, park, why);
+  steps_of(*target_).outbox_failed(id, retry_at, park, why);
 }
 
-OutboxCounts StoreWrapper::outbox_counts() { return target_->outbox_counts(); }
+OutboxCounts StoreWrapper::outbox_counts() { return steps_of(*target_).outbox_counts(); }
 
 std::uint64_t StoreWrapper::add_change_listener(ChangeListener listener) {
   return target_->add_change_listener(std::move(listener));
@@ -95,7 +72,7 @@ std::uint64_t StoreWrapper::add_change_listener(ChangeListener listener) {
 void StoreWrapper::remove_change_listener(std::uint64_t id) { target_->remove_change_listener(id); }
 
 std::size_t StoreWrapper::purge_outbox(TimePoint delivered_before, std::size_t limit) {
-  return target_->purge_outbox(delivered_before, limit);
+  return steps_of(*target_).purge_outbox(delivered_before, limit);
 }
 
 std::size_t StoreWrapper::purge_expired(TimePoint now, std::size_t limit) {

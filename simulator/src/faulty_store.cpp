@@ -76,40 +76,12 @@ StoreError FaultyStore::lost_reply() {
       0);
 }
 
-Reservation FaultyStore::reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
-                                 TimePoint lease) {
-  return through(Operation::reserve, [&] { return StoreWrapper::reserve(id, fp, now, lease); });
-}
-
-bool FaultyStore::complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
-                           TimePoint expires) {
-  return through(Operation::complete,
-                 [&] { return StoreWrapper::complete(id, token, r, expires); });
-}
-
-bool FaultyStore::release(const KeyId& id, std::int64_t token, TimePoint now) {
-  return through(Operation::release, [&] { return StoreWrapper::release(id, token, now); });
-}
-
 bool FaultyStore::renew(const KeyId& id, std::int64_t token, TimePoint lease) {
   return through(Operation::renew, [&] { return StoreWrapper::renew(id, token, lease); });
 }
 
-bool FaultyStore::set_recovery_point(const KeyId& id, std::int64_t token,
-                                     const std::string& point) {
-  return through(Operation::set_recovery_point,
-                 [&] { return StoreWrapper::set_recovery_point(id, token, point); });
-}
-
 std::optional<Record> FaultyStore::load(const KeyId& id) {
   return through(Operation::load, [&] { return StoreWrapper::load(id); });
-}
-
-std::optional<Record> FaultyStore::store_if_absent(const KeyId& id, const Fingerprint& fp,
-                                                   const StoredResponse& r, TimePoint now,
-                                                   TimePoint expires) {
-  return through(Operation::store_if_absent,
-                 [&] { return StoreWrapper::store_if_absent(id, fp, r, now, expires); });
 }
 
 void FaultyStore::apply(std::span<StoreOp* const> ops) {

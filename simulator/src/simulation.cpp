@@ -471,14 +471,8 @@ class Recorder final : public StoreWrapper {
  public:
   Recorder(std::shared_ptr<Store> target, World& world)
       : StoreWrapper(std::move(target)), w_(world) {}
-  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
-                      TimePoint lease) override;
-  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
-                TimePoint expires) override;
-  bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
   void apply(std::span<StoreOp* const> ops) override;
   bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
-  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
                     const std::string& step, const LeaseCheck& lease) override;
   bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
@@ -1401,37 +1395,6 @@ void World::check() {
   }
 }
 
-Reservation Recorder::reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
-                              TimePoint lease) {
-  StoreOp op{.kind = StoreOp::Kind::reserve,
-             .id = &id,
-             .fingerprint = &fp,
-             .now = now,
-             .lease_until = lease};
-  op.reservation = StoreWrapper::reserve(id, fp, now, lease);
-  seen(op);
-  return op.reservation;
-}
-
-bool Recorder::complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
-                        TimePoint expires) {
-  StoreOp op{.kind = StoreOp::Kind::complete,
-             .id = &id,
-             .expires_at = expires,
-             .token = token,
-             .response = &r};
-  op.applied = StoreWrapper::complete(id, token, r, expires);
-  seen(op);
-  return op.applied;
-}
-
-bool Recorder::release(const KeyId& id, std::int64_t token, TimePoint now) {
-  StoreOp op{.kind = StoreOp::Kind::release, .id = &id, .now = now, .token = token};
-  op.applied = StoreWrapper::release(id, token, now);
-  seen(op);
-  return op.applied;
-}
-
 void Recorder::apply(std::span<StoreOp* const> ops) {
   StoreWrapper::apply(ops);
   for (StoreOp* op : ops) {
@@ -1499,12 +1462,6 @@ bool Recorder::renew(const KeyId& id, std::int64_t token, TimePoint lease_until)
   if (!StoreWrapper::renew(id, token, lease_until)) return false;
   KeyLog& k = applied_under(id, token, "a lease renewal");
   if (token == k.newest_token) k.lease_until = std::max(k.lease_until, lease_until);
-  return true;
-}
-
-bool Recorder::set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) {
-  if (!StoreWrapper::set_recovery_point(id, token, point)) return false;
-  applied_under(id, token, "a recovery point");
   return true;
 }
 

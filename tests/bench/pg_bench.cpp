@@ -38,6 +38,7 @@
 #include "floor_sql.hpp"
 #include "idem/asio.hpp"
 #include "idem/coordinator.hpp"
+#include "idem/internal/store_stats.hpp"
 #include "idem/pg_store.hpp"
 #include "idem/replay_cache.hpp"
 #include "pg_bench.hpp"
@@ -205,7 +206,7 @@ Stats floor_fresh(const std::string& conninfo, std::size_t n, Clock::duration bu
 
 // What a store did between two of its stats().
 struct Work {
-  PgStore::Stats before, after;
+  idem::detail::PgStats before, after;
   double transactions() const {
     return static_cast<double>(after.transactions - before.transactions);
   }
@@ -261,9 +262,9 @@ Stats idem_fresh(const std::string& conninfo, std::size_t n, Clock::duration bud
                  bool notify = false) {
   auto store = fresh_store(conninfo, "bench_fresh", PgOptions{.notify = notify});
   Coordinator idem(store, {});
-  work.before = store->stats();
+  work.before = idem::detail::StoreStats::of(*store);
   const Stats s = idem_blocking(idem, n, budget, [](std::size_t i) { return key_of(i, "i"); });
-  work.after = store->stats();
+  work.after = idem::detail::StoreStats::of(*store);
   return s;
 }
 
@@ -271,10 +272,10 @@ Stats idem_concurrent(const std::string& conninfo, std::size_t n, std::size_t in
                       Clock::duration budget, Work& work, bool notify = false) {
   auto store = fresh_store(conninfo, "bench_async", PgOptions{.notify = notify});
   Coordinator idem(store, {});
-  work.before = store->stats();
+  work.before = idem::detail::StoreStats::of(*store);
   const Stats s =
       idem_async(idem, n, inflight, budget, [](std::size_t i) { return key_of(i, "a"); });
-  work.after = store->stats();
+  work.after = idem::detail::StoreStats::of(*store);
   return s;
 }
 
@@ -305,10 +306,10 @@ Stats idem_replay(const std::string& conninfo, std::size_t n, Clock::duration bu
   std::shared_ptr<ReplayCache> cached;
   if (cache) cached = std::make_shared<ReplayCache>(pg);
   Coordinator idem(cache ? std::shared_ptr<Store>(cached) : std::shared_ptr<Store>(pg), {});
-  work.before = pg->stats();
+  work.before = idem::detail::StoreStats::of(*pg);
   const Stats s =
       idem_blocking(idem, n, budget, [](std::size_t i) { return key_of(i % kHotKeys, "h"); });
-  work.after = pg->stats();
+  work.after = idem::detail::StoreStats::of(*pg);
   if (cached && cache_stats != nullptr) *cache_stats = cached->stats();
   return s;
 }

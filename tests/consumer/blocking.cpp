@@ -13,7 +13,6 @@
 #include <idem/sqlite_store.hpp>
 #include <idem/store.hpp>
 #include <idem/store_wrapper.hpp>
-#include <idem/timer_queue.hpp>
 #include <idem/typed.hpp>
 #include <iostream>
 #include <nlohmann/json.hpp>

@@ -147,13 +147,18 @@ class OutcomeUnknownError : public error {
 
 // errc::store_unavailable. sqlite_code() is SQLite's extended result code (0 when the
 // failure did not come from SQLite), in the manner of SQLiteCpp's Exception.
+//
+// Defined here, in the header, because the internal SQLite and libpq wrappers (lib/sqlite,
+// lib/pg) throw it too and link nothing of libidem: the library depends on them, never back.
 class StoreError : public error {
  public:
-  StoreError(const std::string& what, int sqlite_code);
+  StoreError(const std::string& what, int sqlite_code)
+      : StoreError(errc::store_unavailable, what, sqlite_code) {}
   int sqlite_code() const noexcept { return sqlite_code_; }
 
  protected:
-  StoreError(errc code, const std::string& what, int sqlite_code);
+  StoreError(errc code, const std::string& what, int sqlite_code)
+      : error(code, what), sqlite_code_(sqlite_code) {}
 
  private:
   int sqlite_code_;

@@ -15,8 +15,9 @@
 namespace idem {
 
 namespace detail {
-struct PgImport;  // migrate_sqlite_to_pg's writes (idem/migrate.hpp)
-class PgPending;  // start_apply()'s batch
+struct PgImport;    // migrate_sqlite_to_pg's writes (idem/migrate.hpp)
+class PgPending;    // start_apply()'s batch
+struct StoreStats;  // idem/internal/store_stats.hpp
 }  // namespace detail
 
 // Whose clock the times in the database are on.
@@ -103,7 +104,7 @@ struct PgOptions {
 // reservation then expires with its lease, a completion is replayed.
 //
 // Thread-safety: safe for concurrent use.
-class PgStore final : public BatchedStore {
+class PgStore final : public Store, public StepStore {
  public:
   // Connects with `conninfo` (libpq's "host=... dbname=..." or a postgresql:// URI),
   // migrates the schema and measures the clock offset. Throws StoreError if the server cannot
@@ -122,8 +123,8 @@ class PgStore final : public BatchedStore {
   static int schema_version() noexcept;
 
   bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
-  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
   std::optional<Record> load(const KeyId& id) override;
+  StepStore* steps() noexcept override { return this; }
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
@@ -163,31 +164,13 @@ class PgStore final : public BatchedStore {
   std::uint64_t add_change_listener(ChangeListener listener) override;
   void remove_change_listener(std::uint64_t id) override;
 
-  // How many write transactions committed, how many ops they carried, how many round trips
-  // the store made and how often it connected; how many batches sent notifications and how
-  // many notifications from other processes reached the listeners, and how many times the
-  // listening connection's LISTEN took effect (first and after each reconnect; a notification
-  // committed before it is not seen, and that waiter polls). For benchmarks and tests.
-  struct Stats {
-    std::uint64_t transactions = 0;
-    std::uint64_t ops = 0;
-    std::uint64_t round_trips = 0;
-    std::uint64_t connects = 0;
-    std::uint64_t notify_batches = 0;
-    std::uint64_t wakeups = 0;
-    std::uint64_t listens = 0;
-    // Batches an event loop waited for (start_apply()), and the most that were in the
-    // database at once.
-    std::uint64_t async_batches = 0;
-    std::size_t most_batches_in_flight = 0;
-  };
-  Stats stats() const;
   // The offset added to the caller's times to put them on the database's clock (0 with
   // PgClock::caller): the server's clock minus local_clock's.
   std::chrono::milliseconds clock_offset() const;
 
  private:
   friend struct detail::PgImport;
+  friend struct detail::StoreStats;  // idem/internal/store_stats.hpp, for tests and benchmarks
   friend class detail::PgPending;
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -44,12 +44,7 @@ class ReplayCache final : public StoreWrapper {
   ReplayCache(std::shared_ptr<Store> target, ReplayCacheOptions options = {});
   ~ReplayCache() override;
 
-  Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                      TimePoint lease_until) override;
   std::optional<Record> load(const KeyId& id) override;
-  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
-                                        const StoredResponse& response, TimePoint now,
-                                        TimePoint expires_at) override;
   void apply(std::span<StoreOp* const> ops) override;
   // As apply(): what the cache answers is decided at once, the rest goes to the target's
   // start_apply() (or its apply(), when it cannot), and what it finds is remembered.

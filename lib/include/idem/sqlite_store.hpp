@@ -11,6 +11,9 @@
 #include "idem/store.hpp"
 
 namespace idem {
+namespace detail {
+struct StoreStats;  // idem/internal/store_stats.hpp
+}  // namespace detail
 
 // SQLite's synchronous setting in WAL mode.
 //  - normal: a commit is durable once the WAL is checkpointed or the next sync; a power
@@ -54,7 +57,7 @@ struct SqliteOptions {
 // at once.
 //
 // Thread-safety: safe for concurrent use.
-class SqliteStore final : public BatchedStore {
+class SqliteStore final : public Store, public StepStore {
  public:
   // Opens (creating if needed) `path`, sets WAL, busy handling and synchronous, migrates
   // the schema and prepares every statement. ":memory:" gives a private in-memory store.
@@ -69,8 +72,8 @@ class SqliteStore final : public BatchedStore {
   static int schema_version() noexcept;
 
   bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
-  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
   std::optional<Record> load(const KeyId& id) override;
+  StepStore* steps() noexcept override { return this; }
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
@@ -92,16 +95,8 @@ class SqliteStore final : public BatchedStore {
   std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
   void apply(std::span<StoreOp* const> ops) override;
 
-  // How many write transactions committed, and how many ops they carried (for benchmarks
-  // and tests of group commit).
-  struct CommitStats {
-    std::uint64_t transactions = 0;
-    std::uint64_t ops = 0;
-    std::uint64_t checkpoints = 0;  // background checkpoints run
-  };
-  CommitStats commit_stats() const;
-
  private:
+  friend struct detail::StoreStats;  // idem/internal/store_stats.hpp, for tests and benchmarks
   struct Impl;
   std::unique_ptr<Impl> impl_;  // its connection is guarded by its own first-come lock
 };

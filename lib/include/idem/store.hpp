@@ -75,9 +75,8 @@ struct Reservation {
     existing,    // a live record holds the key: see `existing`
   };
   Kind kind = Kind::reserved;
-  std::int64_t token = 0;                     // the caller's token when it owns the key
-  std::optional<std::string> recovery_point;  // kept on a takeover by the same request
-  std::optional<Record> existing;             // Kind::existing only
+  std::int64_t token = 0;          // the caller's token when it owns the key
+  std::optional<Record> existing;  // Kind::existing only
 };
 
 // A reservation the reaper cleared.
@@ -237,58 +236,50 @@ class PendingApply {
   virtual void fail(std::exception_ptr why) noexcept = 0;
 };
 
+class StepStore;
+
 // Thread-safety: implementations must be safe for concurrent use from many threads, and
 // atomic against other processes sharing the same storage.
 // Errors: every operation throws StoreError when the storage cannot be used; an
 // operation that throws changed nothing.
+//
+// An engine implements the virtual functions; reserve(), complete(), release() and
+// store_if_absent() are apply() of one op, so every write of a record passes through apply()
+// (a decorator that overrides it sees them all) and through renew().
 class Store {
  public:
   virtual ~Store() = default;
 
-  // One atomic step: if no record for `id` counts at `now` (absent, expired, released,
-  // or in_progress with an expired lease), makes an in_progress record with `fingerprint`
-  // and a new token larger than any earlier token of this key, leased until
-  // `lease_until`; otherwise returns the live record untouched.
-  virtual Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                              TimePoint lease_until) = 0;
+  // ---- Writes
 
-  // in_progress -> completed with `response`, only if `token` is still current (and the
-  // record still in_progress). Returns false, changing nothing, if it is not (lease lost).
-  virtual bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
-                        TimePoint expires_at) = 0;
-
-  // in_progress -> released, only if `token` is current. Returns false if it is not. (The
-  // StoreOp form keeps a record with Progress for its retry, until the TTL, the difference of
-  // StoreOp::expires_at and now, counted from the operation's origin; the single-op form
-  // keeps it until `now`.)
-  virtual bool release(const KeyId& id, std::int64_t token, TimePoint now) = 0;
+  // Applies several writes, each with its own outcome, as if one after another in `ops`
+  // order: a conflict or a stale token in one op never fails its neighbours. An engine may
+  // commit them in one transaction (SqliteStore and PgStore do; the coordinator's group commit
+  // hands it the writes of every call that is ready at once); no result may be acted on before
+  // its write is durable as configured. Never throws: failures go to StoreOp::error. What
+  // each kind of op does is said at reserve(), complete(), release() and store_if_absent().
+  virtual void apply(std::span<StoreOp* const> ops) = 0;
 
   // Extends the lease of an in_progress record to `lease_until`, only if `token` is current.
   // Returns false, changing nothing, if it is not (the lease was taken over, or the record
   // was completed, released, reaped or purged): the caller no longer holds the key.
   virtual bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) = 0;
 
-  // Records the last finished step of a multi-step operation, only if `token` is current
-  // (and the record in progress). Returns false, changing nothing, if it is not.
-  virtual bool set_recovery_point(const KeyId& id, std::int64_t token,
-                                  const std::string& point) = 0;
-
   // The record as stored (live or not), or nullopt.
   virtual std::optional<Record> load(const KeyId& id) = 0;
 
-  // For InFlight::run, which does not reserve: stores a completed record if none counts
-  // at `now` and returns nullopt; otherwise returns the live record that won.
-  virtual std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
-                                                const StoredResponse& response, TimePoint now,
-                                                TimePoint expires_at) = 0;
+  // ---- Maintenance
 
-  // Applies several writes, each with its own outcome, as if one after another in `ops`
-  // order: a conflict or a stale token in one op never fails its neighbours. An engine may
-  // commit them in one transaction (SqliteStore and PgStore do; the coordinator's group commit
-  // hands it the writes of every call that is ready at once); no result may be acted on before its
-  // write is durable as configured. Never throws: failures go to StoreOp::error. The default runs
-  // reserve(), complete(), release() and store_if_absent() one by one.
-  virtual void apply(std::span<StoreOp* const> ops);
+  // Deletes up to `limit` records that no longer count (completed past expires_at, or
+  // released) in one short transaction. Returns how many it deleted.
+  virtual std::size_t purge_expired(TimePoint now, std::size_t limit) = 0;
+
+  // Deletes up to `limit` in_progress records whose lease ended before `lease_ended_before`
+  // and returns them. Records with Progress are left to the completer: money may have moved.
+  virtual std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) = 0;
+
+  // ---- Optional capabilities (each has a default)
+
   // apply() for an event loop: sends `ops` and returns what the loop then waits on (see
   // PendingApply), or null when it cannot do so now; the caller then runs apply(). The
   // default returns null. PgStore waits on its connection's socket, so a coroutine front end
@@ -302,57 +293,11 @@ class Store {
   // steps on the coordinator's own threads, never on an io_context's thread. Default: false
   // (SqliteStore); PgStore: true.
   virtual bool remote() const noexcept;
-
-  // ---- Multi-step operations. The defaults throw idem::error(errc::invalid_argument): an
-  // engine that keeps no progress cannot run them. SqliteStore and PgStore implement them all.
-
-  // Starts or resumes the operation on the record `token` holds: stores `request` the first
-  // time (a resume keeps the stored one) and returns the recorded progress, or, when nothing
-  // was recorded yet, a fresh one with origin = `token` (stored with the first step: a record
-  // without progress is one where nothing happened). Returns nullopt, changing nothing, if
-  // `token` is not current.
-  virtual std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
-                                              const std::string& request);
-  // Notes that the external step `step` is about to be called (Progress::pending; the
-  // progress starts with `origin` if there was none), only if `token` is current and the
-  // record's lease, on the store's clock, still runs at `lease.needed`; extends the lease to
-  // `lease.renew_to` if it ends sooner. Returns false, changing nothing, otherwise: the caller
-  // must not call out (its lease ended, or is about to, or was taken over).
-  virtual bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
-                            const std::string& step, const LeaseCheck& lease);
-  // In one transaction: checks `token` is current, runs step.local, appends step.result to
-  // the progress (started with `origin` if there was none), makes it the recovery point and
-  // clears `pending` if it named this step. Returns false, changing nothing and running
-  // nothing, if `token` is not current (a zombie). Messages step.local enqueued get ids from
-  // (id, origin, step, n).
-  virtual bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
-                           const StepCommit& step);
-  // Up to `limit` operations of `operations` with a stored request and progress, left
-  // mid-way: in_progress with a lease that ended before `idle_before`, or released before
-  // `idle_before` and still kept at `now`. Oldest first.
-  virtual std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now,
-                                                    std::size_t limit,
-                                                    std::span<const std::string> operations);
-  // Claims up to `limit` messages due at `now` for delivery: they are not due again before
-  // `claim_until` (another dispatcher skips them meanwhile). Oldest first.
-  virtual std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
-                                                  std::size_t limit);
-  // Marks a message delivered at `now`. Returns false if it was not pending.
-  virtual bool outbox_delivered(const std::string& id, TimePoint now);
-  // Counts a failed delivery: due again at `retry_at`, or parked for good if `park`.
-  virtual void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
-                             const std::string& why);
-  virtual OutboxCounts outbox_counts();
-  // Deletes up to `limit` messages delivered before `delivered_before`. Returns how many.
-  virtual std::size_t purge_outbox(TimePoint delivered_before, std::size_t limit);
-
-  // Deletes up to `limit` records that no longer count (completed past expires_at, or
-  // released) in one short transaction. Returns how many it deleted.
-  virtual std::size_t purge_expired(TimePoint now, std::size_t limit) = 0;
-
-  // Deletes up to `limit` in_progress records whose lease ended before `lease_ended_before`
-  // and returns them. Records with Progress are left to the completer: money may have moved.
-  virtual std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) = 0;
+  // The progress, steps and outbox of multi-step operations (StepStore), or null when the
+  // engine keeps none (the default): then multi-step operations and the outbox fail with
+  // idem::error(errc::invalid_argument) before they do anything. SqliteStore and PgStore
+  // return themselves.
+  virtual StepStore* steps() noexcept;
 
   // Wake-ups across processes. A store that learns when a key was completed or released
   // (PgStore: LISTEN/NOTIFY) calls every listener with the key's id, on a thread of its own;
@@ -365,22 +310,83 @@ class Store {
   using ChangeListener = std::function<void(const KeyId&)>;
   virtual std::uint64_t add_change_listener(ChangeListener listener);
   virtual void remove_change_listener(std::uint64_t id);
-};
 
-// A Store whose four single writes (reserve, complete, release, store_if_absent) are each its
-// apply() of one op, so an engine writes its statements once, in apply() (SqliteStore and
-// PgStore do). Their errors are the op's, rethrown.
-class BatchedStore : public Store {
- public:
+  // ---- One write at a time: apply() of one op; the op's error is rethrown.
+
+  // One atomic step: if no record for `id` counts at `now` (absent, expired, released,
+  // or in_progress with an expired lease), makes an in_progress record with `fingerprint`
+  // and a new token larger than any earlier token of this key, leased until
+  // `lease_until`; otherwise returns the live record untouched.
   Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                      TimePoint lease_until) final;
+                      TimePoint lease_until);
+
+  // in_progress -> completed with `response`, only if `token` is still current (and the
+  // record still in_progress). Returns false, changing nothing, if it is not (lease lost).
   bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
-                TimePoint expires_at) final;
-  bool release(const KeyId& id, std::int64_t token, TimePoint now) final;
+                TimePoint expires_at);
+
+  // in_progress -> released, only if `token` is current. Returns false if it is not. (The
+  // StoreOp form keeps a record with Progress for its retry, until the TTL, the difference of
+  // StoreOp::expires_at and now, counted from the operation's origin; this form keeps it
+  // until `now`.)
+  bool release(const KeyId& id, std::int64_t token, TimePoint now);
+
+  // For InFlight::run, which does not reserve: stores a completed record if none counts
+  // at `now` and returns nullopt; otherwise returns the live record that won.
   std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
                                         const StoredResponse& response, TimePoint now,
-                                        TimePoint expires_at) final;
-  void apply(std::span<StoreOp* const> ops) override = 0;
+                                        TimePoint expires_at);
 };
+
+// The writes and reads of multi-step operations (idem/steps.hpp) and their outbox: an
+// optional capability of a Store (Store::steps()). Thread-safety and errors as Store's.
+class StepStore {
+ public:
+  virtual ~StepStore() = default;
+
+  // Starts or resumes the operation on the record `token` holds: stores `request` the first
+  // time (a resume keeps the stored one) and returns the recorded progress, or, when nothing
+  // was recorded yet, a fresh one with origin = `token` (stored with the first step: a record
+  // without progress is one where nothing happened). Returns nullopt, changing nothing, if
+  // `token` is not current.
+  virtual std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
+                                              const std::string& request) = 0;
+  // Notes that the external step `step` is about to be called (Progress::pending; the
+  // progress starts with `origin` if there was none), only if `token` is current and the
+  // record's lease, on the store's clock, still runs at `lease.needed`; extends the lease to
+  // `lease.renew_to` if it ends sooner. Returns false, changing nothing, otherwise: the caller
+  // must not call out (its lease ended, or is about to, or was taken over).
+  virtual bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
+                            const std::string& step, const LeaseCheck& lease) = 0;
+  // In one transaction: checks `token` is current, runs step.local, appends step.result to
+  // the progress (started with `origin` if there was none), makes it the recovery point
+  // (Record::recovery_point) and clears `pending` if it named this step. Returns false,
+  // changing nothing and running nothing, if `token` is not current (a zombie). Messages
+  // step.local enqueued get ids from (id, origin, step, n).
+  virtual bool commit_step(const KeyId& id, std::int64_t token, std::int64_t origin,
+                           const StepCommit& step) = 0;
+  // Up to `limit` operations of `operations` with a stored request and progress, left
+  // mid-way: in_progress with a lease that ended before `idle_before`, or released before
+  // `idle_before` and still kept at `now`. Oldest first.
+  virtual std::vector<AbandonedOperation> abandoned(TimePoint idle_before, TimePoint now,
+                                                    std::size_t limit,
+                                                    std::span<const std::string> operations) = 0;
+  // Claims up to `limit` messages due at `now` for delivery: they are not due again before
+  // `claim_until` (another dispatcher skips them meanwhile). Oldest first.
+  virtual std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
+                                                  std::size_t limit) = 0;
+  // Marks a message delivered at `now`. Returns false if it was not pending.
+  virtual bool outbox_delivered(const std::string& id, TimePoint now) = 0;
+  // Counts a failed delivery: due again at `retry_at`, or parked for good if `park`.
+  virtual void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                             const std::string& why) = 0;
+  virtual OutboxCounts outbox_counts() = 0;
+  // Deletes up to `limit` messages delivered before `delivered_before`. Returns how many.
+  virtual std::size_t purge_outbox(TimePoint delivered_before, std::size_t limit) = 0;
+};
+
+// `store`'s StepStore. Throws idem::error(errc::invalid_argument) (a programming error: do
+// not retry) when the store keeps no progress.
+StepStore& steps_of(Store& store);
 
 }  // namespace idem

@@ -1,6 +1,8 @@
 // idem — a Store that forwards every operation to another Store: the base for decorators
 // (fault injection, tracing, metrics), in the manner of LevelDB's EnvWrapper. A decorator
-// derives from it and overrides only what it changes.
+// derives from it and overrides only what it changes. Every write of a record reaches it
+// through apply() or renew() (Store's single writes are apply() of one op), so a decorator
+// that overrides those two sees them all.
 #pragma once
 
 #include <memory>
@@ -10,7 +12,7 @@
 namespace idem {
 
 // Thread-safety: as the target's (the wrapper adds no state).
-class StoreWrapper : public Store {
+class StoreWrapper : public Store, public StepStore {
  public:
   // Throws idem::error(errc::invalid_argument) if `target` is null.
   explicit StoreWrapper(std::shared_ptr<Store> target);
@@ -18,27 +20,23 @@ class StoreWrapper : public Store {
   // The wrapped store.
   Store& target() const noexcept { return *target_; }
 
-  Reservation reserve(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
-                      TimePoint lease_until) override;
-  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& response,
-                TimePoint expires_at) override;
-  bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
-  bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
-  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
-  std::optional<Record> load(const KeyId& id) override;
-  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fingerprint,
-                                        const StoredResponse& response, TimePoint now,
-                                        TimePoint expires_at) override;
-  // The target's own apply() (its single transaction, if it has one). A decorator that
-  // overrides reserve(), complete(), release() or store_if_absent() must override apply()
-  // too, or batched writes bypass it.
   void apply(std::span<StoreOp* const> ops) override;
+  bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
+  std::optional<Record> load(const KeyId& id) override;
+  std::size_t purge_expired(TimePoint now, std::size_t limit) override;
+  std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
   // Null: batches go through apply(), so a decorator that overrides it sees them. One that
   // can forward its target's start_apply() (ReplayCache) overrides this.
   std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops) override;
   // The target's.
   std::size_t concurrent_applies() const noexcept override;
   bool remote() const noexcept override;
+  std::uint64_t add_change_listener(ChangeListener listener) override;
+  void remove_change_listener(std::uint64_t id) override;
+  // This wrapper when the target has steps (each step call goes to the target's), else null.
+  StepStore* steps() noexcept override;
+
+  // The target's StepStore (steps() is null when the target has none).
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,
@@ -54,10 +52,6 @@ class StoreWrapper : public Store {
                      const std::string& why) override;
   OutboxCounts outbox_counts() override;
   std::size_t purge_outbox(TimePoint delivered_before, std::size_t limit) override;
-  std::size_t purge_expired(TimePoint now, std::size_t limit) override;
-  std::vector<ReapedRecord> reap(TimePoint lease_ended_before, std::size_t limit) override;
-  std::uint64_t add_change_listener(ChangeListener listener) override;
-  void remove_change_listener(std::uint64_t id) override;
 
  private:
   std::shared_ptr<Store> target_;

@@ -2,7 +2,10 @@
 //
 // Each switch plants one known bug, so a test can show that the simulator's invariants catch
 // it (a test that cannot fail proves nothing). SQLite's sqlite3_test_control() is the model.
-// Never turn a switch on in a service: with one on, idem charges twice.
+// The switches exist only in a build with IDEM_TEST_CONTROL (CMake option of that name, on
+// when the suite, the demo or the fuzz targets are built); everywhere else, the library as a
+// service links it, each check is a constant false the compiler removes, and this header is
+// not installed.
 #pragma once
 
 namespace idem::test_control {
@@ -16,9 +19,13 @@ enum class Mutation : unsigned {
                                  // call after a late reservation, an external step's mark)
 };
 
+#ifdef IDEM_TEST_CONTROL
 // Turns `m` on or off for the whole process. Thread-safety: safe from any thread; calls
 // already past the switch's point are not affected.
 void set(Mutation m, bool on) noexcept;
 bool enabled(Mutation m) noexcept;
+#else
+constexpr bool enabled(Mutation) noexcept { return false; }
+#endif
 
 }  // namespace idem::test_control

@@ -15,7 +15,6 @@ enum class Operation : unsigned {
   complete,
   release,
   renew,
-  set_recovery_point,
   load,
   store_if_absent,
   purge,
@@ -53,20 +52,11 @@ class FaultyStore final : public StoreWrapper {
   void act_remote(bool on = true) noexcept { act_remote_ = on; }
   bool remote() const noexcept override { return act_remote_ || StoreWrapper::remote(); }
 
-  Reservation reserve(const KeyId& id, const Fingerprint& fp, TimePoint now,
-                      TimePoint lease) override;
-  bool complete(const KeyId& id, std::int64_t token, const StoredResponse& r,
-                TimePoint expires) override;
-  bool release(const KeyId& id, std::int64_t token, TimePoint now) override;
-  bool renew(const KeyId& id, std::int64_t token, TimePoint lease) override;
-  bool set_recovery_point(const KeyId& id, std::int64_t token, const std::string& point) override;
-  std::optional<Record> load(const KeyId& id) override;
-  std::optional<Record> store_if_absent(const KeyId& id, const Fingerprint& fp,
-                                        const StoredResponse& r, TimePoint now,
-                                        TimePoint expires) override;
   // Ops whose operation is failing get the error; the rest go to the wrapped store's apply()
-  // together (its group commit).
+  // together (its group commit). Store's single writes (reserve() …) are apply() of one op.
   void apply(std::span<StoreOp* const> ops) override;
+  bool renew(const KeyId& id, std::int64_t token, TimePoint lease) override;
+  std::optional<Record> load(const KeyId& id) override;
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;
   bool mark_pending(const KeyId& id, std::int64_t token, std::int64_t origin,

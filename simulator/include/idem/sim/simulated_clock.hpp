@@ -6,7 +6,7 @@
 #include <mutex>
 
 #include "idem/clock.hpp"
-#include "idem/timer_queue.hpp"
+#include "idem/internal/timer_queue.hpp"
 
 namespace idem::sim {
 

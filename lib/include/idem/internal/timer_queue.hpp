@@ -1,5 +1,5 @@
-// idem — the pending calls of a Clock, for implementers of Clock (SystemClock and the
-// simulator's SimulatedClock keep theirs in one). Users of idem do not need this header.
+// idem (internal) — the pending calls of a Clock: SystemClock and the simulator's
+// SimulatedClock keep theirs in one. Not installed; not part of the API.
 #pragma once
 
 #include <functional>
