@@ -108,7 +108,7 @@ std::vector<std::string> answers(const std::vector<std::string>& texts) {
 
 // For the table's paused-owner row only: a store whose pending mark checks the token and
 // not the lease (nor renews it), as a store that trusts the caller's own view of its lease
-// would. It shows what the lease check in Store::mark_pending prevents.
+// would. It shows what the lease check in StepStore::mark_pending prevents.
 class TokenOnlyMarks : public StoreWrapper {
  public:
   using StoreWrapper::StoreWrapper;

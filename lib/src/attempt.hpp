@@ -12,7 +12,7 @@
 namespace idem {
 
 struct AttemptAccess {
-  // Begins or resumes the progress of the record `token` holds (Store::begin_steps) and
+  // Begins or resumes the progress of the record `token` holds (StepStore::begin_steps) and
   // counts a resume. Throws LeaseLostError if `token` is no longer current, or StoreError.
   static Attempt begin(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
                        const std::string& payload);

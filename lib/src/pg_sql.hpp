@@ -335,7 +335,7 @@ UPDATE {s}.idem_keys SET request = coalesce(request, $5::bytea)
 WHERE tenant = $1 AND operation = $2 AND key = $3 AND token = $4::bigint AND state = 1
 RETURNING state, token, progress, request)sql";
 
-// An external step marked pending (Store::mark_pending), under the row's lock (kLoadProgress
+// An external step marked pending (StepStore::mark_pending), under the row's lock (kLoadProgress
 // took it): $4 token $5 progress (JSON) $6 now (NULL: the database's clock) $7 how long from
 // now the lease must still run, in ms $8 how long from now it is renewed to, if it ends sooner.
 inline constexpr std::string_view kMarkPending = R"sql(

@@ -30,11 +30,11 @@ std::string progress_to_json(const Progress& p);
 // Throws StoreError if `text` does not decode. `request` is left empty.
 Progress progress_from_json(std::string_view text);
 
-// The progress after `step` is marked pending (Store::mark_pending); it starts at `origin`
+// The progress after `step` is marked pending (StepStore::mark_pending); it starts at `origin`
 // when nothing was recorded yet.
 Progress with_pending(std::optional<Progress> recorded, std::int64_t origin,
                       const std::string& step);
-// The progress after `step` finished (Store::commit_step): appended, and no longer pending if
+// The progress after `step` finished (StepStore::commit_step): appended, and no longer pending if
 // it was; it starts at `origin` when nothing was recorded yet.
 Progress with_step(std::optional<Progress> recorded, std::int64_t origin, const StepResult& step);
 

@@ -132,7 +132,7 @@ inline constexpr std::string_view kBeginSteps = R"sql(
 UPDATE idem_keys SET request = coalesce(request, ?5)
 WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4 AND state = 1)sql";
 
-// An external step marked pending (Store::mark_pending): ?4 token ?5 progress (JSON) ?6 the
+// An external step marked pending (StepStore::mark_pending): ?4 token ?5 progress (JSON) ?6 the
 // time the lease must still run at ?7 the time it is renewed to, if it ends sooner. (SQLite
 // evaluates every SET expression on the row as it was.)
 inline constexpr std::string_view kMarkPending = R"sql(

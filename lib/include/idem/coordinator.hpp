@@ -116,7 +116,7 @@ class Coordinator {
   Outcome call_steps(const Request& request, const std::function<Response(Attempt&)>& action);
 
   // Multi-step operations of `operations` left mid-way after making progress
-  // (Store::abandoned): in progress with a lease that ended, or released after a failed step,
+  // (StepStore::abandoned): in progress with a lease that ended, or released after a failed step,
   // longer than `idle_for` ago. At most `limit`, oldest first. The Completer resumes them.
   // Throws StoreError.
   std::vector<AbandonedOperation> abandoned(std::chrono::milliseconds idle_for, std::size_t limit,

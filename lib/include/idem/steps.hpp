@@ -137,7 +137,7 @@ class Attempt {
  private:
   friend struct AttemptAccess;
   Attempt(detail::CoordinatorCore& core, KeyId id, std::int64_t token, Progress progress);
-  // Commits the step (Store::commit_step) and keeps its result; LeaseLostError if refused.
+  // Commits the step (StepStore::commit_step) and keeps its result; LeaseLostError if refused.
   std::string record(StepCommit& commit);
   void check_step(std::string_view step) const;
   // Rethrows the StoreError being handled as OutcomeUnknownError (nesting it) once an effect

@@ -132,7 +132,7 @@ class LocalTransaction {
   virtual std::string enqueue(std::string_view topic, std::string_view payload) = 0;
 };
 
-// What a write that starts an external call (Store::mark_pending) confirms about the caller's
+// What a write that starts an external call (StepStore::mark_pending) confirms about the caller's
 // lease, on the caller's clock: the caller read `now` just before sending it; the lease must
 // still run at `needed` (now plus the time the call needs), and it is extended to `renew_to`
 // (now plus a whole lease) if it ends sooner. A store that keeps its own clock (PgStore under
@@ -144,7 +144,7 @@ struct LeaseCheck {
   TimePoint renew_to{};
 };
 
-// One step to record (Store::commit_step).
+// One step to record (StepStore::commit_step).
 struct StepCommit {
   StepResult result;
   TimePoint now{};  // when messages are queued (due at once)
@@ -168,7 +168,7 @@ struct OutboxCounts {
   std::size_t parked = 0;     // gave up after OutboxOptions::max_attempts; need an operator
 };
 
-// An operation left mid-way (Store::abandoned): what the completer needs to resume it.
+// An operation left mid-way (StepStore::abandoned): what the completer needs to resume it.
 struct AbandonedOperation {
   KeyId id;
   Fingerprint fingerprint;

@@ -21,7 +21,7 @@ enum class Operation : unsigned {
   reap,
   steps,         // begin_steps, commit_step, abandoned: a multi-step operation's other writes
   outbox,        // every outbox operation
-  mark_pending,  // the write right before an external call (Store::mark_pending)
+  mark_pending,  // the write right before an external call (StepStore::mark_pending)
 };
 
 // Wraps a real Store and makes chosen operations fail with StoreError, the way a disk that
