@@ -84,9 +84,7 @@ inline constexpr const char* kFindOrder =
 inline constexpr const char* kCountOrders = "SELECT count(*) FROM demo_orders";
 
 // idem-demo migrate: an order copied from SQLite with its id (left alone if there), then the
-// id sequence moved past every copied id.
-inline constexpr const char* kBegin = "BEGIN";
-inline constexpr const char* kCommit = "COMMIT";
+// id sequence moved past every copied id (in one pg::Connection::Transaction).
 inline constexpr const char* kCopyOrder = R"sql(
 INSERT INTO demo_orders (seq, tenant, order_id, charge_id, body, created_at)
 VALUES ($1::bigint, $2, $3, $4, $5, $6::bigint)

@@ -10,7 +10,7 @@
 #include "checkout.hpp"
 #include "checkout_sql.hpp"
 #include "idem/errors.hpp"
-#include "idem/internal/pg.hpp"      // idem's libpq session, for the orders table
+#include "idem/internal/pg_connection.hpp"  // idem's libpq connection, for the orders table
 #include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for the orders table
 #include "idem/pg_store.hpp"
 #include "idem/sqlite_store.hpp"
@@ -59,18 +59,22 @@ class SqliteOrders final : public Database::Orders {
 };
 
 // The orders table in the PostgreSQL database, beside idem's tables (in their schema), on a
-// connection of its own with idem's session rules (lib/pg: keepalives on both ends, every wait
-// bounded by the statement timeout plus a second). A lost connection is opened again on the
-// next read; after one that stopped answering, reads fail at once for a second first, so a
-// stalled server costs one caller the wait, not each caller queued behind it.
+// connection of its own with idem's session rules (lib/pg's pg::Connection: keepalives on both
+// ends, every wait bounded by the statement timeout plus a second). A lost connection is
+// opened again on the next read; after one that stopped answering, reads fail at once for a
+// second first, so a stalled server costs one caller the wait, not each caller queued behind it.
 class PgOrders final : public Database::Orders {
  public:
   PgOrders(std::string uri, std::chrono::milliseconds statement_timeout, std::string schema)
-      : parameters_{std::move(uri), pg::Timeouts{.statement = statement_timeout}},
-        schema_(std::move(schema)) {
+      : schema_(std::move(schema)),
+        connection_(
+            {{std::move(uri), pg::Timeouts{.statement = statement_timeout}},
+             std::chrono::seconds(1),
+             std::chrono::seconds(1)},
+            [this](pg::Connection& c) { on_connect(c); }, "not connected yet") {
     const std::lock_guard lock(mutex_);
-    connect();
-    exec(sql::pg::kOrdersSchema);
+    connection_.ensure();
+    connection_.simple(sql::pg::kOrdersSchema);
   }
 
   std::optional<std::string> find(std::int64_t seq, const std::string& tenant) override {
@@ -88,88 +92,60 @@ class PgOrders final : public Database::Orders {
     return static_cast<std::size_t>(std::stoull(PQgetvalue(r.get(), 0, 0)));
   }
 
+  // Copies `rows` (seq, tenant, order_id, charge_id, body, created_at as text) in one
+  // transaction; returns how many were new here.
+  std::size_t copy(const std::vector<std::array<std::string, 6>>& rows) {
+    const std::lock_guard lock(mutex_);
+    connection_.ensure();
+    pg::Connection::Transaction t(connection_);
+    std::size_t copied = 0;
+    for (const auto& row : rows) {
+      const char* values[6];
+      for (std::size_t i = 0; i < 6; ++i) values[i] = row[i].c_str();
+      pg::Result r =
+          connection_.session().exec_params(sql::pg::kCopyOrder, 6, values, nullptr, nullptr, 0);
+      if (PQresultStatus(r.get()) != PGRES_COMMAND_OK)
+        throw connection_.failure("copying an order", r.get());
+      if (std::string_view(PQcmdTuples(r.get())) == "1") ++copied;
+    }
+    connection_.simple(sql::pg::kMoveOrderIds);
+    t.commit();
+    return copied;
+  }
+
  private:
-  [[noreturn]] void fail(std::string_view what, const PGresult* r) {
-    throw StoreError(pg::describe(what, r, session_.get()), 0);
+  // Every new connection: no "already exists" notices, and idem's schema first.
+  void on_connect(pg::Connection& c) {
+    PQsetNoticeProcessor(
+        c.get(), [](void*, const char*) {}, nullptr);
+    char* quoted = PQescapeIdentifier(c.get(), schema_.data(), schema_.size());
+    if (quoted == nullptr) throw c.failure("quoting the schema", nullptr);
+    const std::string search_path = fmt::format(fmt::runtime(sql::pg::kSearchPath), quoted);
+    PQfreemem(quoted);
+    c.simple(search_path);
   }
 
-  void connect() {
-    if (!session_.connected() && std::chrono::steady_clock::now() < next_attempt_) {
-      throw StoreError("postgresql: the orders connection is down; reconnecting shortly", 0);
-    }
-    try {
-      session_.open(parameters_);
-      PQsetNoticeProcessor(
-          session_.get(), [](void*, const char*) {}, nullptr);  // "exists"
-      char* quoted = PQescapeIdentifier(session_.get(), schema_.data(), schema_.size());
-      if (quoted == nullptr) fail("quoting the schema", nullptr);
-      const std::string search_path = fmt::format(fmt::runtime(sql::pg::kSearchPath), quoted);
-      PQfreemem(quoted);
-      exec(search_path.c_str());
-    } catch (const StoreError&) {
-      lost();
-      throw;
-    }
-  }
-
-  // The connection is gone; one that stopped answering is not tried again for a second.
-  void lost() {
-    session_.close();
-    next_attempt_ = std::chrono::steady_clock::now() +
-                    (session_.timed_out() ? std::chrono::seconds(1) : std::chrono::seconds(0));
-  }
-
-  void exec(const char* text) {
-    pg::Result r = session_.exec(text);
-    if (PQresultStatus(r.get()) != PGRES_COMMAND_OK && PQresultStatus(r.get()) != PGRES_TUPLES_OK)
-      fail("the orders table", r.get());
-  }
-
+  // A read; a connection found broken by it is opened again once.
   pg::Result query(const char* text, int n, const char* const* values) {
     for (int attempt = 0;; ++attempt) {
-      if (!session_.connected() || PQstatus(session_.get()) != CONNECTION_OK) connect();
+      connection_.ensure();
       try {
-        pg::Result r = session_.exec_params(text, n, values, nullptr, nullptr, 0);
+        pg::Result r = connection_.session().exec_params(text, n, values, nullptr, nullptr, 0);
         if (PQresultStatus(r.get()) == PGRES_TUPLES_OK) return r;
-        if (attempt == 0 && PQstatus(session_.get()) != CONNECTION_OK) continue;  // once more
-        fail("reading orders", r.get());
-      } catch (const StoreError&) {
-        if (!session_.connected()) lost();
+        if (attempt == 0 && PQstatus(connection_.get()) != CONNECTION_OK) {
+          connection_.drop("the orders connection broke");
+          continue;  // once more
+        }
+        throw connection_.failure("reading orders", r.get());
+      } catch (const StoreError& e) {
+        if (!connection_.connected()) connection_.lost(e.what());
         throw;
       }
     }
   }
 
- public:
-  // Copies `rows` (seq, tenant, order_id, charge_id, body, created_at as text) in one
-  // transaction; returns how many were new here.
-  std::size_t copy(const std::vector<std::array<std::string, 6>>& rows) {
-    const std::lock_guard lock(mutex_);
-    if (!session_.connected() || PQstatus(session_.get()) != CONNECTION_OK) connect();
-    exec(sql::pg::kBegin);
-    std::size_t copied = 0;
-    try {
-      for (const auto& row : rows) {
-        const char* values[6];
-        for (std::size_t i = 0; i < 6; ++i) values[i] = row[i].c_str();
-        pg::Result r = session_.exec_params(sql::pg::kCopyOrder, 6, values, nullptr, nullptr, 0);
-        if (PQresultStatus(r.get()) != PGRES_COMMAND_OK) fail("copying an order", r.get());
-        if (std::string_view(PQcmdTuples(r.get())) == "1") ++copied;
-      }
-      exec(sql::pg::kMoveOrderIds);
-      exec(sql::pg::kCommit);
-    } catch (...) {
-      session_.close();  // the transaction goes with the connection
-      throw;
-    }
-    return copied;
-  }
-
- private:
-  pg::Parameters parameters_;
   std::string schema_;
-  pg::Session session_;                                   // guarded by mutex_
-  std::chrono::steady_clock::time_point next_attempt_{};  // guarded by mutex_
+  pg::Connection connection_;  // guarded by mutex_
   std::mutex mutex_;
 };
 
