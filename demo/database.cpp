@@ -67,11 +67,10 @@ class PgOrders final : public Database::Orders {
  public:
   PgOrders(std::string uri, std::chrono::milliseconds statement_timeout, std::string schema)
       : schema_(std::move(schema)),
-        connection_(
-            {{std::move(uri), pg::Timeouts{.statement = statement_timeout}},
-             std::chrono::seconds(1),
-             std::chrono::seconds(1)},
-            [this](pg::Connection& c) { on_connect(c); }, "not connected yet") {
+        connection_({{std::move(uri), pg::Timeouts{.statement = statement_timeout}},
+                     std::chrono::seconds(1),
+                     std::chrono::seconds(1)},
+                    [this](pg::Connection& c) { on_connect(c); }) {
     const std::lock_guard lock(mutex_);
     connection_.ensure();
     connection_.simple(sql::pg::kOrdersSchema);

@@ -145,9 +145,8 @@ using namespace pgstore;
 PgStore::Impl::Impl(std::string info, PgOptions o)
     : conninfo(std::move(info)),
       options(std::move(o)),
-      connection(
-          {parameters(), options.reconnect_min, options.reconnect_max},
-          [this](pg::Connection&) { on_connect(); }, "not connected yet"),
+      connection({parameters(), options.reconnect_min, options.reconnect_max},
+                 [this](pg::Connection&) { on_connect(); }),
       channel("idem:" + options.schema) {
   if (options.schema.empty() || options.schema.find('$') != std::string::npos) {
     // '$' could end the $$-quoted function bodies the schema's name is put in.
@@ -173,9 +172,8 @@ PgStore::Impl::Impl(BatchOf of)
       options(of.main.options),
       schema(of.main.schema),
       texts(of.main.texts),
-      connection(
-          {parameters(), options.reconnect_min, options.reconnect_max},
-          [this](pg::Connection&) { on_connect(); }, "not connected yet"),
+      connection({parameters(), options.reconnect_min, options.reconnect_max},
+                 [this](pg::Connection&) { on_connect(); }),
       ready(true),
       owner(&of.main),
       channel(of.main.channel) {}
@@ -198,12 +196,16 @@ void PgStore::Impl::on_connect() {
   connection.simple(fmt::format(fmt::runtime(pg_sql::kSearchPath), schema));
   own_backend.store(PQbackendPID(conn()), std::memory_order_relaxed);
   if (!ready) return;  // the main connection's first: migrate() prepares once the schema is there
-  for (int i = 0; i < kStatementCount; ++i)
-    connection.prepare(statement_name(static_cast<Stmt>(i)), texts[static_cast<std::size_t>(i)]);
+  prepare_statements();
   // Another connection keeps the main one's offset unless it is due.
   if (options.clock == PgClock::database &&
       (owner == this || owner->clock.stale(options.clock_refresh)))
     measure_clock();
+}
+
+void PgStore::Impl::prepare_statements() {
+  for (int i = 0; i < kStatementCount; ++i)
+    connection.prepare(statement_name(static_cast<Stmt>(i)), texts[static_cast<std::size_t>(i)]);
 }
 
 void PgStore::Impl::ensure() {
@@ -251,8 +253,7 @@ void PgStore::Impl::migrate() {
     if (connection.connected()) connection.rollback();
     throw;
   }
-  for (int i = 0; i < kStatementCount; ++i)
-    connection.prepare(statement_name(static_cast<Stmt>(i)), texts[static_cast<std::size_t>(i)]);
+  prepare_statements();
   if (options.clock == PgClock::database) measure_clock();
 }
 

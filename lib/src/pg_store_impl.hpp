@@ -211,7 +211,8 @@ struct PgStore::Impl {
                       const std::string* recovery_point);
 
  private:
-  void on_connect();  // settings, and once migrated the statements and the clock
+  void on_connect();          // settings, and once migrated the statements and the clock
+  void prepare_statements();  // every Stmt, under statement_name()
   void measure_clock();
   void migrate();
   std::string literal(const std::string& s);

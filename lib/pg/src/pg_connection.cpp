@@ -109,12 +109,10 @@ bool Pipeline::take(PGconn* c) {
 
 // ---- Connection
 
-Connection::Connection(ConnectionOptions options, OnConnect on_connect,
-                       std::string not_connected_yet)
+Connection::Connection(ConnectionOptions options, OnConnect on_connect)
     : options_(std::move(options)),
       on_connect_(std::move(on_connect)),
-      backoff_(options_.reconnect_min),
-      last_failure_(std::move(not_connected_yet)) {}
+      backoff_(options_.reconnect_min) {}
 
 bool Connection::ensure() {
   if (session_.connected() && PQstatus(get()) == CONNECTION_BAD) drop(PQerrorMessage(get()));

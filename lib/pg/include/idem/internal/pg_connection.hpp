@@ -128,7 +128,7 @@ class Connection {
   // throws fails the attempt like a connection that could not be made.
   using OnConnect = std::function<void(Connection&)>;
 
-  Connection(ConnectionOptions options, OnConnect on_connect, std::string not_connected_yet);
+  Connection(ConnectionOptions options, OnConnect on_connect);
 
   Session& session() noexcept { return session_; }
   PGconn* get() const noexcept { return session_.get(); }
@@ -189,7 +189,7 @@ class Connection {
   Session session_;
   std::chrono::milliseconds backoff_;
   SteadyClock::time_point next_attempt_{};
-  std::string last_failure_;
+  std::string last_failure_ = "not connected yet";
 };
 
 }  // namespace idem::pg
