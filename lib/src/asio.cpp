@@ -29,7 +29,7 @@
 
 #include "attempt.hpp"
 #include "core.hpp"
-#include "flow.hpp"
+#include "drive.hpp"
 
 namespace idem {
 namespace {
@@ -364,82 +364,49 @@ net::awaitable<void> async_sleep_until(Clock& clock, TimePoint at) {
 
 namespace {
 
-using AsyncRun = std::function<net::awaitable<Response>(detail::Flow&)>;
+// The coroutine way of performing a call's effects (drive.hpp): each suspends the call's
+// coroutine until it is done.
+struct AsyncEffects {
+  template <class T>
+  using Task = net::awaitable<T>;
 
-// The coroutine driver of detail::Flow: the same effects as the blocking driver, performed
-// with co_await; `run` performs the action when the flow says so.
-net::awaitable<Outcome> async_drive(Coordinator& coordinator, Request request, bool steps,
-                                    AsyncRun run) {
-  using Kind = detail::Effect::Kind;
+  detail::CoordinatorCore& core;
+  net::any_io_executor ex;
+  std::shared_ptr<AsyncWaiter> waiting{};
+
+  std::shared_ptr<detail::Waiter> waiter() {
+    waiting = std::make_shared<AsyncWaiter>(ex);
+    return waiting->handle();
+  }
+  template <class F>
+  net::awaitable<std::invoke_result_t<F&>> store(F f) {
+    return store_call<std::invoke_result_t<F&>>(core, std::move(f));
+  }
+  net::awaitable<void> write(StoreOp& op) { return group_write(core, op); }
+  net::awaitable<void> sleep(TimePoint until) { return waiting->wait_until(*core.clock, until); }
+  template <class F, class... Args>
+  static net::awaitable<Response> run(const F& f, Args&&... args) {
+    return f(std::forward<Args>(args)...);
+  }
+};
+
+template <class Action>
+net::awaitable<Outcome> async_drive(Coordinator& coordinator, const Request& request,
+                                    const Action& action) {
   detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator);
   const net::any_io_executor ex = co_await net::this_coro::executor;
-  std::optional<AsyncWaiter> waiter;
-  detail::Flow flow(
-      core, request, [&] { return waiter.emplace(ex).handle(); }, steps);
-  for (;;) {
-    const detail::Effect e = flow.next();
-    switch (e.kind) {
-      case Kind::read: {
-        detail::Loaded loaded = co_await store_call<detail::Loaded>(
-            core, [&core, &flow] { return detail::read_record(*core.store, flow.id()); });
-        flow.loaded(std::move(loaded));
-        break;
-      }
-      case Kind::write:
-        co_await group_write(core, flow.op());
-        break;
-      case Kind::run: {
-        std::exception_ptr failure;
-        try {
-          // Not `flow.ran(co_await run(flow))`: g++ 12 mishandles a co_await result passed
-          // straight on as an argument (it destroys it twice).
-          Response response = co_await run(flow);
-          flow.ran(std::move(response));
-        } catch (...) {
-          failure = std::current_exception();
-        }
-        if (failure) flow.failed(std::move(failure));
-        break;
-      }
-      case Kind::sleep:
-        co_await waiter->wait_until(*core.clock, e.until);
-        break;
-      case Kind::answer:
-        co_return flow.outcome();
-    }
-  }
+  co_return co_await detail::drive(core, request, action, AsyncEffects{core, ex});
 }
 
 }  // namespace
 
 net::awaitable<Outcome> async_call(Coordinator& coordinator, Request request, AsyncAction action) {
-  const AsyncRun run = [&action](detail::Flow&) { return action(); };
-  co_return co_await async_drive(coordinator, std::move(request), false, run);
+  co_return co_await async_drive(coordinator, request, action);
 }
 
 net::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request request,
                                          AsyncStepsAction action) {
-  detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator);
-  const std::string payload = request.payload;
-  const AsyncRun run = [&core, &action, &payload](detail::Flow& flow) -> net::awaitable<Response> {
-    std::optional<Progress> progress = co_await store_call<std::optional<Progress>>(
-        core, [&] { return steps_of(*core.store).begin_steps(flow.id(), flow.token(), payload); });
-    Attempt attempt = AttemptAccess::started(core, flow.id(), flow.token(), std::move(progress));
-    std::exception_ptr failure;
-    Response response;
-    try {
-      response = co_await action(attempt);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    if (failure) {
-      AttemptAccess::failed(core, attempt);
-      if (AttemptAccess::store_failed(attempt)) flow.store_failed();
-      std::rethrow_exception(failure);
-    }
-    co_return response;
-  };
-  co_return co_await async_drive(coordinator, std::move(request), true, run);
+  co_return co_await async_drive(coordinator, request, action);
 }
 
 net::awaitable<std::string> async_external(Attempt& attempt, std::string step,

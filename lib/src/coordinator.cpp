@@ -10,7 +10,7 @@
 
 #include "attempt.hpp"
 #include "core.hpp"
-#include "flow.hpp"
+#include "drive.hpp"
 #include "idem/test_control.hpp"
 
 namespace idem {
@@ -186,21 +186,6 @@ std::chrono::milliseconds CoordinatorCore::call_margin_for(std::string_view oper
   return std::min<std::chrono::milliseconds>(std::chrono::seconds(1), options.lease / 4);
 }
 
-StoredResponse CoordinatorCore::stored_form(const KeyId& id, const Response& response) const {
-  StoredResponse stored{response, ""};
-  if (options.inline_body_limit != 0 && response.body.size() > options.inline_body_limit) {
-    stored.body_ref = options.payload_store->put(id, response.body);
-    stored.response.body.clear();
-  }
-  return stored;
-}
-
-Response CoordinatorCore::response_of(Record&& record) const {
-  Response r = std::move(record.response);
-  if (!record.body_ref.empty()) r.body = options.payload_store->get(record.body_ref);
-  return r;
-}
-
 void CoordinatorCore::log(LogLevel level, std::string_view event, const Call& c, std::int64_t token,
                           std::string_view message) const {
   if (!options.log) return;
@@ -234,58 +219,38 @@ Coordinator::~Coordinator() = default;
 
 namespace {
 
-// The blocking driver of detail::Flow; `run` performs the action when the flow says so.
-Outcome drive(detail::CoordinatorCore& core, const Request& request, bool steps,
-              const std::function<Response(detail::Flow&)>& run) {
-  using Kind = detail::Effect::Kind;
-  std::shared_ptr<detail::BlockingWaiter> waiter;
-  detail::Flow flow(
-      core, request, [&waiter] { return waiter = std::make_shared<detail::BlockingWaiter>(); },
-      steps);
-  for (;;) {
-    const detail::Effect e = flow.next();
-    switch (e.kind) {
-      case Kind::read:
-        flow.loaded(detail::read_record(*core.store, flow.id()));
-        break;
-      case Kind::write:
-        core.commits.commit(flow.op());
-        break;
-      case Kind::run:
-        try {
-          flow.ran(run(flow));
-        } catch (...) {
-          flow.failed(std::current_exception());
-        }
-        break;
-      case Kind::sleep:
-        waiter->wait_until(*core.clock, e.until);
-        break;
-      case Kind::answer:
-        return flow.outcome();
-    }
+// The blocking way of performing a call's effects (drive.hpp): each at once, on the calling
+// thread.
+struct BlockingEffects : detail::Blocking {
+  detail::CoordinatorCore& core;
+  std::shared_ptr<detail::BlockingWaiter> waiting{};
+
+  std::shared_ptr<detail::Waiter> waiter() {
+    return waiting = std::make_shared<detail::BlockingWaiter>();
   }
-}
+  template <class F>
+  detail::Now<std::invoke_result_t<F&>> store(F f) {
+    return {f()};
+  }
+  detail::Now<void> write(StoreOp& op) {
+    core.commits.commit(op);
+    return {};
+  }
+  detail::Now<void> sleep(TimePoint until) {
+    waiting->wait_until(*core.clock, until);
+    return {};
+  }
+};
 
 }  // namespace
 
 Outcome Coordinator::call(const Request& request, const std::function<Response()>& action) {
-  return drive(*core_, request, false, [&action](detail::Flow&) { return action(); });
+  return detail::drive(*core_, request, action, BlockingEffects{{}, *core_}).get();
 }
 
 Outcome Coordinator::call_steps(const Request& request,
                                 const std::function<Response(Attempt&)>& action) {
-  detail::CoordinatorCore& core = *core_;
-  return drive(core, request, true, [&](detail::Flow& flow) {
-    Attempt attempt = AttemptAccess::begin(core, flow.id(), flow.token(), request.payload);
-    try {
-      return action(attempt);
-    } catch (...) {
-      AttemptAccess::failed(core, attempt);
-      if (AttemptAccess::store_failed(attempt)) flow.store_failed();
-      throw;
-    }
-  });
+  return detail::drive(*core_, request, action, BlockingEffects{{}, *core_}).get();
 }
 
 std::vector<AbandonedOperation> Coordinator::abandoned(std::chrono::milliseconds idle_for,

@@ -75,12 +75,6 @@ class CoordinatorCore {
   // and unlike any other coordinator's but by a 2^-64 chance.
   std::int64_t new_claim();
 
-  // A response as the store keeps it: bodies over inline_body_limit go to the payload
-  // store (throws what PayloadStore::put throws). response_of() is the way back (throws
-  // what PayloadStore::get throws).
-  StoredResponse stored_form(const KeyId& id, const Response& response) const;
-  Response response_of(Record&& record) const;
-
   // One log event; the key appears only as its short hash.
   void log(LogLevel level, std::string_view event, const Call& call, std::int64_t token,
            std::string_view message) const;

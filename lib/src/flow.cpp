@@ -43,6 +43,16 @@ Loaded read_record(Store& store, const KeyId& id) noexcept {
   return out;
 }
 
+Transferred transfer(PayloadStore& store, const PayloadOp& op) noexcept {
+  Transferred out;
+  try {
+    out.data = op.put ? store.put(*op.id, *op.data) : store.get(*op.data);
+  } catch (...) {
+    out.error = std::current_exception();
+  }
+  return out;
+}
+
 Flow::Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_waiter, bool steps)
     : core_(core),
       call_(core.prepare(request, steps)),
@@ -51,7 +61,6 @@ Flow::Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_wai
       poll_(core.options.poll_initial) {}
 
 Flow::~Flow() {
-  heartbeat_.reset();
   unsubscribe();
   done_holding();  // a driver that stopped mid-way (a destroyed coroutine) still wakes waiters
 }
@@ -93,6 +102,10 @@ Effect Flow::next() {
       return after_free();
     case Phase::late:
       return after_late();
+    case Phase::put:
+      return after_put();
+    case Phase::fetch:
+      return after_fetch();
     case Phase::sleep:
       unsubscribe();  // a wake may already have dropped us; subscribing again follows a read
       return read();
@@ -236,7 +249,6 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
       holder_ = 0;
       core_.inflight.hold(call_.id, token_);
       holding_ = true;
-      heartbeat_.emplace(core_, call_, token_);
       return run(Mode::reserved);
     }
 
@@ -261,8 +273,7 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
       if (!std::exchange(looked_, true)) core_.read_first.found();
       bump(core_.counters.replayed);
       log(LogLevel::debug, "replayed", "", record->token);
-      const TimePoint expires_at = record->expires_at;
-      return answer(core_.response_of(std::move(*record)), Outcome::Source::replayed, expires_at);
+      return replay(std::move(*record), Outcome::Source::replayed);
     }
 
     case Decision::wait:
@@ -335,13 +346,11 @@ Effect Flow::sleep(TimePoint now, bool after_failed_look) {
 // --- after the action ----------------------------------------------------------------------
 
 void Flow::ran(Response response) {
-  heartbeat_.reset();
   response_ = std::move(response);
   phase_ = Phase::ran;
 }
 
 void Flow::failed(std::exception_ptr error) {
-  heartbeat_.reset();
   failure_ = std::move(error);
   phase_ = Phase::failed;
 }
@@ -349,12 +358,28 @@ void Flow::failed(std::exception_ptr error) {
 Effect Flow::after_ran() {
   if (mode_ == Mode::unprotected)
     return answer(std::move(response_), Outcome::Source::unprotected, {});
-  try {
-    stored_ = core_.stored_form(call_.id, response_);
-  } catch (const std::exception& e) {
-    done_holding();
-    return unstored(fmt::format("payload store: {}", e.what()));
+  const std::size_t limit = core_.options.inline_body_limit;
+  if (limit != 0 && response_.body.size() > limit) {
+    payload_ = PayloadOp{.put = true, .id = &call_.id, .data = &response_.body};
+    phase_ = Phase::put;
+    return Effect{Effect::Kind::payload};
   }
+  stored_ = StoredResponse{response_, ""};
+  return store_response();
+}
+
+Effect Flow::after_put() {
+  if (transferred_.error) {
+    done_holding();
+    return unstored(fmt::format("payload store: {}", describe(transferred_.error)));
+  }
+  stored_ =
+      StoredResponse{Response{.status = response_.status, .body = {}, .headers = response_.headers},
+                     std::move(transferred_.data)};
+  return store_response();
+}
+
+Effect Flow::store_response() {
   const TimePoint t = core_.now();
   op_ = StoreOp{.id = &call_.id,
                 .fingerprint = &call_.fingerprint,
@@ -392,8 +417,7 @@ Effect Flow::after_store() {
       r.existing->fingerprint == call_.fingerprint) {
     log(LogLevel::warning, "store_race_lost",
         "InFlight::run: another request stored first; answering with its result");
-    const TimePoint expires_at = r.existing->expires_at;
-    return answer(core_.response_of(std::move(*r.existing)), Outcome::Source::executed, expires_at);
+    return replay(std::move(*r.existing), Outcome::Source::executed);
   }
   if (r.kind == Reservation::Kind::existing) {
     // Another request's record holds the key (in progress, or stored with another payload):
@@ -405,6 +429,23 @@ Effect Flow::after_store() {
   bump(core_.counters.completed);
   log(LogLevel::debug, "completed", "");
   return answer(std::move(response_), Outcome::Source::executed, op_.expires_at);
+}
+
+Effect Flow::replay(Record&& record, Outcome::Source source) {
+  if (record.body_ref.empty()) return answer(std::move(record.response), source, record.expires_at);
+  response_ = std::move(record.response);
+  body_ref_ = std::move(record.body_ref);
+  fetched_for_ = source;
+  fetched_expires_ = record.expires_at;
+  payload_ = PayloadOp{.put = false, .data = &body_ref_};
+  phase_ = Phase::fetch;
+  return Effect{Effect::Kind::payload};
+}
+
+Effect Flow::after_fetch() {
+  if (transferred_.error) std::rethrow_exception(transferred_.error);
+  response_.body = std::move(transferred_.data);
+  return answer(std::move(response_), fetched_for_, fetched_expires_);
 }
 
 Effect Flow::unstored(std::string_view why) {
@@ -519,7 +560,7 @@ Effect Flow::write(Phase phase) {
 Effect Flow::run(Mode mode) {
   mode_ = mode;
   phase_ = Phase::run;
-  return Effect{Effect::Kind::run};
+  return Effect{.kind = Effect::Kind::run, .renew = mode == Mode::reserved};
 }
 
 Effect Flow::answer(Response response, Outcome::Source source, TimePoint expires_at) {

@@ -1,21 +1,24 @@
 // The life of one call, as a state machine that performs no I/O of its own.
 //
-// A driver (the blocking Coordinator::call, the coroutine async_call, a simulator) asks the
-// flow for the next effect, performs it, reports back, and asks again:
+// A driver asks the flow for the next effect, performs it, reports back, and asks again.
+// The one driver is drive() (drive.hpp), written once for the blocking Coordinator::call and
+// the coroutine async_call:
 //
 //   Flow flow(core, request, make_waiter);
 //   for (;;) switch (Effect e = flow.next(); e.kind) {
-//     case read:   flow.loaded(read_record(store, flow.id()));    // the key's record
-//     case write:  group-commit flow.op();                         // results land in the op
-//     case run:    flow.ran(action()) or flow.failed(exception);   // the application's action
-//     case sleep:  wait on the waiter until e.until (or a wake)
-//     case answer: return flow.outcome();
+//     case read:    flow.loaded(read_record(store, flow.id()));          // the key's record
+//     case payload: flow.transferred(transfer(payloads, flow.payload())); // a large body
+//     case write:   group-commit flow.op();                              // results land in the op
+//     case run:     flow.ran(action()) or flow.failed(exception);        // the application's
+//                   action, with the lease renewed meanwhile when e.renew (heartbeat.hpp)
+//     case sleep:   wait on the waiter until e.until (or a wake)
+//     case answer:  return flow.outcome();
 //   }
 //
 // next() decides with decide(), keeps the counters and the log, holds the key's
-// in-process bookkeeping (who holds it, who waits on it) and the heartbeat, and throws the
-// errors a call ends with (KeyReuseError, InProgressError, LeaseLostError, StoreError, or
-// the action's own exception).
+// in-process bookkeeping (who holds it, who waits on it), and throws the errors a call ends
+// with (KeyReuseError, InProgressError, LeaseLostError, StoreError, or the action's own
+// exception).
 #pragma once
 
 #include <chrono>
@@ -26,7 +29,6 @@
 #include <optional>
 
 #include "decide.hpp"
-#include "heartbeat.hpp"
 #include "idem/coordinator.hpp"
 #include "inflight.hpp"
 
@@ -35,9 +37,10 @@ namespace idem::detail {
 class CoordinatorCore;
 
 struct Effect {
-  enum class Kind { read, write, run, sleep, answer };
+  enum class Kind { read, payload, write, run, sleep, answer };
   Kind kind;
-  TimePoint until{};  // sleep: wake by then at the latest
+  TimePoint until{};   // sleep: wake by then at the latest
+  bool renew = false;  // run: renew the lease while the action runs (Options::heartbeat)
 };
 
 // What a read of the key's record gave: the record (or none), or the store's error.
@@ -48,6 +51,20 @@ struct Loaded {
 
 // Reads `id`'s record; never throws (a StoreError goes to Loaded::error).
 Loaded read_record(Store& store, const KeyId& id) noexcept;
+
+// A body kept in Options::payload_store instead of the record (over inline_body_limit).
+struct PayloadOp {
+  bool put = false;           // put: keep *data (a body); get: fetch *data (a reference)
+  const KeyId* id = nullptr;  // put: the key the body is kept for
+  const std::string* data = nullptr;
+};
+// What a PayloadOp gave: put: the reference; get: the body. Or what the payload store threw.
+struct Transferred {
+  std::string data;
+  std::exception_ptr error;
+};
+// Performs `op` on `store`; never throws (what the store throws goes to Transferred::error).
+Transferred transfer(PayloadStore& store, const PayloadOp& op) noexcept;
 
 // Not thread-safe: one flow belongs to one call, driven by one thread or coroutine at a time.
 class Flow {
@@ -69,6 +86,8 @@ class Flow {
   // The fencing token this call holds while its action runs (Effect::Kind::run).
   std::int64_t token() const noexcept { return token_; }
   void loaded(Loaded result) { loaded_ = std::move(result); }
+  const PayloadOp& payload() const noexcept { return payload_; }
+  void transferred(Transferred result) { transferred_ = std::move(result); }
   StoreOp& op() noexcept { return op_; }
   void ran(Response response);
   void failed(std::exception_ptr error);
@@ -88,8 +107,10 @@ class Flow {
     store,
     release,
     sleep,
-    free,  // releasing a reservation of this coordinator whose reply was lost
-    late,  // releasing a reservation whose reply came back too late to call out
+    free,   // releasing a reservation of this coordinator whose reply was lost
+    late,   // releasing a reservation whose reply came back too late to call out
+    put,    // keeping the response's body in the payload store
+    fetch,  // fetching a stored response's body from the payload store
   };
   enum class Mode { reserved, unreserved, unprotected };  // how the action runs
 
@@ -112,6 +133,13 @@ class Flow {
   Effect after_release();
   Effect after_free();
   Effect after_late();
+  Effect after_put();
+  Effect after_fetch();
+  // The response the record holds, as `source`: its body fetched first when it is kept in the
+  // payload store.
+  Effect replay(Record&& record, Outcome::Source source);
+  // The complete (reserved) or store_if_absent (unreserved) write of stored_.
+  Effect store_response();
   // The key's record does not decode: counted, logged, and the call ends with `error` (a
   // CorruptRecordError), whatever the failure mode: it neither runs nor replays.
   [[noreturn]] void refuse_corrupt(const std::exception_ptr& error);
@@ -156,7 +184,6 @@ class Flow {
   std::int64_t confirming_ = 0;
   bool confirmed_once_ = false;
   bool holding_ = false;  // the in-flight registry records this call as the key's holder
-  std::optional<Heartbeat> heartbeat_;
 
   // Waiting for another request (InFlight::wait).
   std::shared_ptr<Waiter> waiter_;
@@ -169,6 +196,11 @@ class Flow {
   bool looked_ = false;  // told core_.read_first what the key held (once per call)
 
   Loaded loaded_;
+  PayloadOp payload_;
+  Transferred transferred_;
+  std::string body_ref_;            // Phase::fetch: the body's reference
+  Outcome::Source fetched_for_{};   // Phase::fetch: the answer's source
+  TimePoint fetched_expires_{};     // Phase::fetch: the answer's expiry
   std::exception_ptr store_error_;  // the StoreError a store_failed decision was made on
   StoreOp op_;
   StoredResponse stored_;

@@ -53,9 +53,9 @@ struct Heartbeat::State : std::enable_shared_from_this<State> {
   }
 };
 
-Heartbeat::Heartbeat(CoordinatorCore& core, const Call& call, std::int64_t token) {
+Heartbeat::Heartbeat(CoordinatorCore& core, const KeyId& id, std::int64_t token) {
   if (core.options.heartbeat.count() == 0) return;
-  state_ = std::make_shared<State>(core, call.id, token);
+  state_ = std::make_shared<State>(core, id, token);
   std::lock_guard lock(state_->mutex);
   state_->arm();
 }

@@ -5,17 +5,18 @@
 #include <cstdint>
 #include <memory>
 
+#include "idem/key.hpp"
+
 namespace idem::detail {
 
 class CoordinatorCore;
-struct Call;
 
 // Starts renewing on construction (unless Options::heartbeat is 0); stops when destroyed,
 // or when a renewal finds the lease lost (logged "lease_lost" and counted). A renewal that
 // fails with StoreError is logged "renew_failed", counted, and tried again a period later.
 class Heartbeat {
  public:
-  Heartbeat(CoordinatorCore& core, const Call& call, std::int64_t token);
+  Heartbeat(CoordinatorCore& core, const KeyId& id, std::int64_t token);
   ~Heartbeat();
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
