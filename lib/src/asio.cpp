@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "attempt.hpp"
+#include "awaiting.hpp"
 #include "core.hpp"
 #include "drive.hpp"
 
@@ -366,10 +367,7 @@ namespace {
 
 // The coroutine way of performing a call's effects (drive.hpp): each suspends the call's
 // coroutine until it is done.
-struct AsyncEffects {
-  template <class T>
-  using Task = net::awaitable<T>;
-
+struct AsyncEffects : detail::Awaiting {
   detail::CoordinatorCore& core;
   net::any_io_executor ex;
   std::shared_ptr<AsyncWaiter> waiting{};
@@ -384,10 +382,6 @@ struct AsyncEffects {
   }
   net::awaitable<void> write(StoreOp& op) { return group_write(core, op); }
   net::awaitable<void> sleep(TimePoint until) { return waiting->wait_until(*core.clock, until); }
-  template <class F, class... Args>
-  static net::awaitable<Response> run(const F& f, Args&&... args) {
-    return f(std::forward<Args>(args)...);
-  }
 };
 
 template <class Action>
@@ -395,7 +389,7 @@ net::awaitable<Outcome> async_drive(Coordinator& coordinator, const Request& req
                                     const Action& action) {
   detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator);
   const net::any_io_executor ex = co_await net::this_coro::executor;
-  co_return co_await detail::drive(core, request, action, AsyncEffects{core, ex});
+  co_return co_await detail::drive(core, request, action, AsyncEffects{{}, core, ex});
 }
 
 }  // namespace

@@ -16,6 +16,8 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "awaiting.hpp"
+#include "drive.hpp"
 #include "idem/asio.hpp"
 #include "idem/http.hpp"
 #include "sha256.hpp"
@@ -290,6 +292,54 @@ struct Layer::Impl {
     return stored_form(reply);
   }
 
+  // The one body of handle() (P: drive.hpp's Blocking) and async_handle() (P: awaiting.hpp's
+  // Awaiting): `handler` runs through the coordinator, at most once per key.
+  template <class P, class H>
+  typename P::template Task<Reply> serve(const Request& request, const H& handler) {
+    Prepared p = prepare(request);
+    if (p.answer) co_return std::move(*p.answer);
+    if (!p.protect) {
+      Reply passed = co_await P::run(handler, request, p.context);
+      co_return passed;
+    }
+    const std::string operation = p.call.operation;
+    std::optional<Reply> replied;
+    std::optional<Outcome> out;
+    std::exception_ptr failure;
+    // The handler's run, timed and in its stored form (a coroutine: the context is copied in).
+    const auto run = [&](Context context) -> typename P::template Task<Response> {
+      const TimePoint started = coordinator.clock().now();
+      std::exception_ptr threw;
+      try {
+        Reply reply = co_await P::run(handler, request, context);
+        replied = std::move(reply);
+      } catch (...) {
+        threw = std::current_exception();
+      }
+      if (threw) throw HandlerThrew{threw};
+      co_return ran(operation, started, *replied);
+    };
+    try {
+      if (o.steps) {
+        p.call.payload = stored_request(request);
+        const auto action = [&](Attempt& attempt) {
+          Context context = p.context;
+          context.attempt = &attempt;
+          return run(context);
+        };
+        Outcome done = co_await P::call(coordinator, std::move(p.call), action);
+        out = std::move(done);
+      } else {
+        const auto action = [&] { return run(p.context); };
+        Outcome done = co_await P::call(coordinator, std::move(p.call), action);
+        out = std::move(done);
+      }
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    co_return conclude(failure, out, replied, operation);
+  }
+
   // The answer once the coordinator returned `out` or threw `failure`. A reply the policy
   // did not store goes out as the handler made it; the handler's own exception propagates
   // unchanged; idem's errors become their HTTP answers.
@@ -343,38 +393,7 @@ Layer::Layer(Coordinator& coordinator, LayerOptions options)
 Layer::~Layer() = default;
 
 Reply Layer::handle(const Request& request, const Handler& handler) {
-  Impl& d = *impl_;
-  Impl::Prepared p = d.prepare(request);
-  if (p.answer) return std::move(*p.answer);
-  if (!p.protect) return handler(request, p.context);
-  const std::string operation = p.call.operation;
-  std::optional<Reply> ran;
-  std::optional<Outcome> out;
-  std::exception_ptr failure;
-  const auto run = [&](const Context& context) {
-    const TimePoint started = d.coordinator.clock().now();
-    try {
-      ran = handler(request, context);
-    } catch (...) {
-      throw HandlerThrew{std::current_exception()};
-    }
-    return d.ran(operation, started, *ran);
-  };
-  try {
-    if (d.o.steps) {
-      p.call.payload = stored_request(request);
-      out = d.coordinator.call_steps(std::move(p.call), [&](Attempt& attempt) {
-        Context context = p.context;
-        context.attempt = &attempt;
-        return run(context);
-      });
-    } else {
-      out = d.coordinator.call(std::move(p.call), [&] { return run(p.context); });
-    }
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  return d.conclude(failure, out, ran, operation);
+  return impl_->serve<detail::Blocking>(request, handler).get();
 }
 
 std::string Layer::policy() const {
@@ -418,44 +437,7 @@ std::string Layer::policy() const {
 
 boost::asio::awaitable<Reply> Layer::async_handle(const Request& request,
                                                   const AsyncHandler& handler) {
-  Impl& d = *impl_;
-  Impl::Prepared p = d.prepare(request);
-  if (p.answer) co_return std::move(*p.answer);
-  if (!p.protect) co_return co_await handler(request, p.context);
-  const std::string operation = p.call.operation;
-  std::optional<Reply> ran;
-  std::optional<Outcome> out;
-  std::exception_ptr failure;
-  // The handler's run, timed and in its stored form (a coroutine: the context is copied in).
-  const auto run = [&](Context context) -> boost::asio::awaitable<Response> {
-    const TimePoint started = d.coordinator.clock().now();
-    std::exception_ptr threw;
-    try {
-      ran = co_await handler(request, context);
-    } catch (...) {
-      threw = std::current_exception();
-    }
-    if (threw) throw HandlerThrew{threw};
-    co_return d.ran(operation, started, *ran);
-  };
-  try {
-    // (named actions: g++ 12 destroys temporaries in a co_await expression twice)
-    if (d.o.steps) {
-      p.call.payload = stored_request(request);
-      AsyncStepsAction action = [&](Attempt& attempt) {
-        Context context = p.context;
-        context.attempt = &attempt;
-        return run(context);
-      };
-      out = co_await async_call_steps(d.coordinator, std::move(p.call), std::move(action));
-    } else {
-      AsyncAction action = [&] { return run(p.context); };
-      out = co_await async_call(d.coordinator, std::move(p.call), std::move(action));
-    }
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  co_return d.conclude(failure, out, ran, operation);
+  co_return co_await impl_->serve<detail::Awaiting>(request, handler);
 }
 
 boost::asio::awaitable<Response> Layer::resume(Attempt& attempt, const AsyncHandler& handler) {

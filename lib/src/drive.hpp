@@ -8,7 +8,8 @@
 //   p.store(f)             a call into the store (or the payload store) that returns f();
 //   p.write(op)            `op` committed with the group commit;
 //   p.sleep(until)         a wait on the waiter until `until` or a wake;
-//   P::run(f, args...)     the application's f(args...), which returns a Response or a Task.
+//   P::run(f, args...)     the application's f(args...), which returns a value or a Task;
+//   P::call(c, r, action)  Coordinator c's call of `action` (what the HTTP layer makes).
 // Blocking (below) performs each effect at once and hands back Now<T>, so its loop runs to
 // its end on the calling thread without ever suspending; the coroutine way (asio.cpp)
 // suspends on each. What the loop does with what comes back (the flow's decisions, the
@@ -103,6 +104,18 @@ struct Blocking {
       return f(std::forward<Args>(args)...);
     } else {
       return Now<R>{f(std::forward<Args>(args)...)};
+    }
+  }
+
+  // coordinator.call of `action`, or call_steps for an action that takes an Attempt&; the
+  // action returns a Response or an Immediate<Response>.
+  template <class F>
+  static Now<Outcome> call(Coordinator& coordinator, Request&& request, const F& action) {
+    if constexpr (std::is_invocable_v<const F&, Attempt&>) {
+      return {coordinator.call_steps(
+          request, [&action](Attempt& attempt) { return run(action, attempt).await_resume(); })};
+    } else {
+      return {coordinator.call(request, [&action] { return run(action).await_resume(); })};
     }
   }
 };
