@@ -15,6 +15,7 @@
 #include "checkout.hpp"
 #include "idem/asio.hpp"
 #include "idem/beast.hpp"
+#include "idem/maintenance.hpp"
 #include "idem/sim/mail.hpp"
 #include "idem/steps.hpp"
 #include "payments_api.hpp"
@@ -681,6 +682,76 @@ TEST_CASE("maintenance: the loop runs the completer and the outbox on the clock 
   CHECK(shop.debits() == 1);
   CHECK(shop.orders() == 1);
   CHECK(shop.mails() == 1);
+}
+
+// Waits (a bounded spin, not a sleep) until `m` has run more than `rounds` rounds and sleeps
+// again: its wake-up is on `clock` (so the clock's next move wakes it).
+bool rounds_pass(const MaintenanceThread& m, const sim::SimulatedClock& clock, std::size_t rounds) {
+  const auto give_up = std::chrono::steady_clock::now() + 30s;
+  while (m.totals().rounds <= rounds || clock.idle()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+TEST_CASE(
+    "maintenance: the blocking thread runs the same schedule (the completer, then the outbox) on "
+    "the clock until stopped") {
+  Shop shop;
+  shop.crash_at("k1", shop.order(), "after order_created");
+  MaintenanceThread maintenance(*shop.world.idem,
+                                MaintenanceOptions{.completer = {.abandoned_after = 20s}});
+  maintenance.deliver(demo::mail_delivery(shop.mail));
+  maintenance.resume("checkout", [&](Attempt& a) {
+    return demo::checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
+  });
+  CHECK_THROWS_AS(maintenance.resume("checkout", {}), idem::error);  // bad input, nothing changes
+  maintenance.start();
+  CHECK_THROWS_AS(maintenance.start(), std::logic_error);
+  REQUIRE(rounds_pass(maintenance, *shop.world.clock, 0));  // the first round: nothing is due yet
+  CHECK(maintenance.totals().completer.found == 0);
+  int seconds = 0;
+  for (; seconds < 60 && maintenance.totals().outbox.delivered == 0; ++seconds) {
+    const std::size_t before = maintenance.totals().rounds;
+    shop.world.clock->advance(1s);  // the dispatcher is due every second: one more round
+    REQUIRE(rounds_pass(maintenance, *shop.world.clock, before));
+  }
+  const MaintenanceReport totals = maintenance.totals();
+  CHECK(totals.completer.finished == 1);
+  CHECK(totals.outbox.delivered == 1);
+  // The completer first runs complete_every (10 s) after the start, and finds the operation
+  // once it has been abandoned 20 s (its lease of 10 s ended, then abandoned_after): at 30 s.
+  CHECK(seconds >= 30);
+  maintenance.stop();  // wakes the sleeping thread and joins it
+  const std::size_t rounds = maintenance.totals().rounds;
+  shop.world.clock->advance(1min);
+  CHECK(maintenance.totals().rounds == rounds);  // stopped: no round after
+  CHECK(shop.debits() == 1);
+  CHECK(shop.orders() == 1);
+  CHECK(shop.mails() == 1);
+}
+
+TEST_CASE("maintenance: the blocking run_once runs every job once, on the calling thread") {
+  Shop shop;
+  shop.crash_at("k1", shop.order(), "after order_created");
+  MaintenanceThread maintenance(*shop.world.idem,
+                                MaintenanceOptions{.completer = {.abandoned_after = 20s}});
+  maintenance.deliver(demo::mail_delivery(shop.mail));
+  maintenance.resume("checkout", [&](Attempt& a) {
+    return demo::checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
+  });
+  CHECK(maintenance.run_once().completer.found == 0);  // still within its lease
+  shop.world.clock->advance(1min);
+  const MaintenanceReport first = maintenance.run_once();
+  CHECK(first.completer.finished == 1);
+  CHECK(first.outbox.delivered == 0);  // the dispatcher ran before the completer queued the mail
+  const MaintenanceReport second = maintenance.run_once();
+  CHECK(second.outbox.delivered == 1);
+  CHECK(maintenance.totals().rounds == 3);
+  CHECK(shop.debits() == 1);
+  CHECK(shop.mails() == 1);
+  CHECK_THROWS_AS(MaintenanceThread(*shop.world.idem, MaintenanceOptions{.batch = 0}), idem::error);
 }
 
 }  // namespace

@@ -31,6 +31,7 @@
 #include "awaiting.hpp"
 #include "core.hpp"
 #include "drive.hpp"
+#include "maintenance_jobs.hpp"
 
 namespace idem {
 namespace {
@@ -435,193 +436,30 @@ net::awaitable<std::string> async_local(Attempt& attempt, std::string step,
 
 // --- Maintenance -------------------------------------------------------------------------
 
-struct Maintenance::Impl {
-  Impl(Coordinator& c, MaintenanceOptions o) : coordinator(c), options(std::move(o)) {}
-
-  Coordinator& coordinator;
-  const MaintenanceOptions options;
-  std::map<std::string, AsyncStepsAction, std::less<>> handlers;
-  std::optional<Dispatcher> dispatcher;
-  std::atomic<bool> stopping{false};
-  std::mutex mutex;                      // guards wake and totals
-  std::shared_ptr<detail::Waiter> wake;  // the running loop's, while it runs
-  MaintenanceReport totals;
-
-  detail::CoordinatorCore& core() { return detail::CoordinatorAccess::core(coordinator); }
-
-  // Runs `job`; a failure is logged and counted in `report`, never thrown.
-  template <class Job>
-  void guarded(std::string_view name, MaintenanceReport& report, Job&& job) {
-    try {
-      job();
-    } catch (const std::exception& e) {
-      ++report.failures;
-      core().log(LogLevel::error, "maintenance_failed", "-", name, 0, e.what());
-    } catch (...) {
-      ++report.failures;
-      core().log(LogLevel::error, "maintenance_failed", "-", name, 0, "unknown error");
-    }
-  }
-
-  net::awaitable<void> complete(MaintenanceReport& report) {
-    std::vector<AbandonedOperation> found;
-    guarded("completer", report, [&] {
-      std::vector<std::string> operations;
-      for (const auto& [operation, handler] : handlers) operations.push_back(operation);
-      found = coordinator.abandoned(options.completer.abandoned_after, options.completer.batch,
-                                    operations);
-    });
-    for (const AbandonedOperation& op : found) {
-      if (stopping.load()) break;  // stop() is not held up by a batch of resumes
-      ++report.completer.found;
-      const auto handler = handlers.find(op.id.operation);
-      if (handler == handlers.end()) {
-        ++report.completer.skipped;
-        continue;
-      }
-      const Request request = AttemptAccess::resume_request(op);
-      std::exception_ptr failure;
-      try {
-        co_await async_call_steps(coordinator, request, handler->second);
-      } catch (...) {
-        failure = std::current_exception();
-      }
-      AttemptAccess::resumed(core(), report.completer, op, failure);
-    }
-  }
-
-  void purge(MaintenanceReport& r) {
-    guarded("purge", r, [&] { r.purged += coordinator.purge_expired(options.batch); });
-    if (dispatcher) guarded("outbox_purge", r, [&] { r.outbox_purged += dispatcher->purge(); });
-  }
-  void reap(MaintenanceReport& r) {
-    guarded("reap", r, [&] { r.reaped += coordinator.reap(options.batch).size(); });
-  }
-  void release_lost(MaintenanceReport& r) {
-    guarded("release_lost", r, [&] { r.lost_released += coordinator.release_lost_reservations(); });
-  }
-  void dispatch(MaintenanceReport& r) {
-    if (!dispatcher) return;
-    guarded("outbox", r, [&] {
-      const DispatchReport d = dispatcher->run_once();
-      r.outbox.delivered += d.delivered;
-      r.outbox.retried += d.retried;
-      r.outbox.parked += d.parked;
-    });
-  }
-
-  void add_to_totals(const MaintenanceReport& r) {
-    std::lock_guard lock(mutex);
-    totals.purged += r.purged;
-    totals.reaped += r.reaped;
-    totals.outbox_purged += r.outbox_purged;
-    totals.lost_released += r.lost_released;
-    totals.completer.found += r.completer.found;
-    totals.completer.finished += r.completer.finished;
-    totals.completer.failed += r.completer.failed;
-    totals.completer.skipped += r.completer.skipped;
-    totals.outbox.delivered += r.outbox.delivered;
-    totals.outbox.retried += r.outbox.retried;
-    totals.outbox.parked += r.outbox.parked;
-    totals.failures += r.failures;
-  }
-
-  static net::awaitable<void> loop(std::shared_ptr<Impl> d) {
-    AsyncWaiter waiter(co_await net::this_coro::executor);
-    {
-      std::lock_guard lock(d->mutex);
-      d->wake = waiter.handle();
-    }
-    Clock& clock = d->coordinator.clock();
-    const MaintenanceOptions& o = d->options;
-    // Each job first runs one interval after the start (a process that starts does not
-    // compete with its first requests for the write lock).
-    const TimePoint start = clock.now();
-    TimePoint next_purge = start + o.purge_every, next_reap = start + o.reap_every,
-              next_complete = start + o.complete_every, next_dispatch = start + o.dispatch_every;
-    while (!d->stopping.load()) {
-      MaintenanceReport report;
-      TimePoint now = clock.now();
-      if (now >= next_dispatch) {
-        d->release_lost(report);
-        d->dispatch(report);
-        next_dispatch = clock.now() + o.dispatch_every;
-      }
-      if (now >= next_purge) {
-        d->purge(report);
-        next_purge = clock.now() + o.purge_every;
-      }
-      if (now >= next_reap) {
-        d->reap(report);
-        next_reap = clock.now() + o.reap_every;
-      }
-      if (now >= next_complete) {
-        co_await d->complete(report);
-        next_complete = clock.now() + o.complete_every;
-      }
-      d->add_to_totals(report);
-      if (d->stopping.load()) break;
-      // (named first: g++ 12 cannot keep an initializer list across a co_await)
-      const TimePoint wake_at =
-          std::min(std::min(next_purge, next_reap), std::min(next_complete, next_dispatch));
-      co_await waiter.wait_until(clock, wake_at);
-    }
-    std::lock_guard lock(d->mutex);
-    d->wake.reset();
-  }
+struct Maintenance::Impl : detail::MaintenanceJobs<AsyncEffects, AsyncStepsAction> {
+  using MaintenanceJobs::MaintenanceJobs;
 };
 
 Maintenance::Maintenance(Coordinator& coordinator, MaintenanceOptions options)
-    : impl_(std::make_shared<Impl>(coordinator, std::move(options))) {
-  const MaintenanceOptions& o = impl_->options;
-  using Interval = std::pair<std::chrono::milliseconds, std::string_view>;
-  for (const Interval& i :
-       {Interval{o.purge_every, "purge_every"}, Interval{o.reap_every, "reap_every"},
-        Interval{o.complete_every, "complete_every"},
-        Interval{o.dispatch_every, "dispatch_every"}}) {
-    detail::check(i.first.count() > 0, fmt::format("maintenance: {} must be positive", i.second));
-  }
-  detail::check(o.batch > 0, "maintenance: batch must be at least 1");
-  detail::check(o.completer.batch > 0, "maintenance: completer.batch must be at least 1");
-}
+    : impl_(std::make_shared<Impl>(coordinator, std::move(options))) {}
 
 Maintenance::~Maintenance() { stop(); }
 
 void Maintenance::resume(std::string operation, AsyncStepsAction action) {
-  validate_key_part("operation", operation);
-  detail::check(static_cast<bool>(action), "maintenance: a resume handler is required");
-  impl_->handlers[std::move(operation)] = std::move(action);
+  impl_->resume(std::move(operation), std::move(action));
 }
 
-void Maintenance::deliver(Delivery delivery) {
-  impl_->dispatcher.emplace(impl_->coordinator, std::move(delivery), impl_->options.outbox);
-}
+void Maintenance::deliver(Delivery delivery) { impl_->deliver(std::move(delivery)); }
 
-net::awaitable<MaintenanceReport> Maintenance::run_once() {
-  Impl& d = *impl_;
-  MaintenanceReport report;
-  d.release_lost(report);
-  d.dispatch(report);
-  d.purge(report);
-  d.reap(report);
-  co_await d.complete(report);
-  d.add_to_totals(report);
-  co_return report;
-}
+net::awaitable<MaintenanceReport> Maintenance::run_once() { return impl_->run_once(); }
 
 void Maintenance::start(const net::any_io_executor& executor) {
-  net::co_spawn(executor, Impl::loop(impl_), net::detached);
+  net::co_spawn(executor, Impl::loop(impl_, AsyncEffects{{}, impl_->core(), executor}),
+                net::detached);
 }
 
-void Maintenance::stop() noexcept {
-  impl_->stopping.store(true);
-  std::lock_guard lock(impl_->mutex);
-  if (impl_->wake) impl_->wake->wake();
-}
+void Maintenance::stop() noexcept { impl_->stop(); }
 
-MaintenanceReport Maintenance::totals() const {
-  std::lock_guard lock(impl_->mutex);
-  return impl_->totals;
-}
+MaintenanceReport Maintenance::totals() const { return impl_->totals_now(); }
 
 }  // namespace idem

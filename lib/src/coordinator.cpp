@@ -64,33 +64,6 @@ std::shared_ptr<Store> checked(std::shared_ptr<Store> store, const Options& o) {
   return store;
 }
 
-// Waits on a condition variable for a completion in this process or a clock deadline.
-class BlockingWaiter final : public Waiter, public std::enable_shared_from_this<BlockingWaiter> {
- public:
-  void wake() override {
-    std::lock_guard lock(mutex_);
-    woken_ = true;
-    cv_.notify_all();
-  }
-
-  void wait_until(Clock& clock, TimePoint at) {
-    const Clock::TimerId timer = clock.call_at(at, [weak = weak_from_this()] {
-      if (auto self = weak.lock()) self->wake();
-    });
-    {
-      std::unique_lock lock(mutex_);
-      cv_.wait(lock, [this] { return woken_; });
-      woken_ = false;
-    }
-    clock.cancel(timer);
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool woken_ = false;  // guarded by mutex_
-};
-
 }  // namespace
 
 // --- CoordinatorCore ---------------------------------------------------------------------
@@ -217,40 +190,13 @@ Coordinator::Coordinator(std::shared_ptr<Store> store, Options options)
 
 Coordinator::~Coordinator() = default;
 
-namespace {
-
-// The blocking way of performing a call's effects (drive.hpp): each at once, on the calling
-// thread.
-struct BlockingEffects : detail::Blocking {
-  detail::CoordinatorCore& core;
-  std::shared_ptr<detail::BlockingWaiter> waiting{};
-
-  std::shared_ptr<detail::Waiter> waiter() {
-    return waiting = std::make_shared<detail::BlockingWaiter>();
-  }
-  template <class F>
-  detail::Now<std::invoke_result_t<F&>> store(F f) {
-    return {f()};
-  }
-  detail::Now<void> write(StoreOp& op) {
-    core.commits.commit(op);
-    return {};
-  }
-  detail::Now<void> sleep(TimePoint until) {
-    waiting->wait_until(*core.clock, until);
-    return {};
-  }
-};
-
-}  // namespace
-
 Outcome Coordinator::call(const Request& request, const std::function<Response()>& action) {
-  return detail::drive(*core_, request, action, BlockingEffects{{}, *core_}).get();
+  return detail::drive(*core_, request, action, detail::BlockingEffects{{}, *core_}).get();
 }
 
 Outcome Coordinator::call_steps(const Request& request,
                                 const std::function<Response(Attempt&)>& action) {
-  return detail::drive(*core_, request, action, BlockingEffects{{}, *core_}).get();
+  return detail::drive(*core_, request, action, detail::BlockingEffects{{}, *core_}).get();
 }
 
 std::vector<AbandonedOperation> Coordinator::abandoned(std::chrono::milliseconds idle_for,

@@ -16,8 +16,11 @@
 // heartbeat, a multi-step call's progress) is the same code for both.
 #pragma once
 
+#include <condition_variable>
 #include <coroutine>
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <type_traits>
@@ -46,21 +49,31 @@ struct Now<void> {
   void await_resume() const noexcept {}
 };
 
+template <class T>
+struct ImmediateResult {
+  std::optional<T> value;
+  void return_value(T v) { value.emplace(std::move(v)); }
+  T take() { return std::move(*value); }
+};
+template <>
+struct ImmediateResult<void> {
+  void return_void() noexcept {}
+  void take() noexcept {}
+};
+
 // A coroutine that runs to its end as it is called, on the calling thread (it co_awaits only
 // what never suspends: Now<T>, another Immediate). get() gives what it returned, or rethrows
 // what it threw.
 template <class T>
 class [[nodiscard]] Immediate {
  public:
-  struct promise_type {
-    std::optional<T> value;
+  struct promise_type : ImmediateResult<T> {
     std::exception_ptr error;
     Immediate get_return_object() {
       return Immediate(std::coroutine_handle<promise_type>::from_promise(*this));
     }
     std::suspend_never initial_suspend() noexcept { return {}; }
     std::suspend_always final_suspend() noexcept { return {}; }
-    void return_value(T v) { value.emplace(std::move(v)); }
     void unhandled_exception() noexcept { error = std::current_exception(); }
   };
 
@@ -74,7 +87,7 @@ class [[nodiscard]] Immediate {
     if (!handle_.done()) throw std::logic_error("idem: an Immediate coroutine suspended");
     promise_type& p = handle_.promise();
     if (p.error) std::rethrow_exception(p.error);
-    return std::move(*p.value);
+    return p.take();
   }
 
   // So that one Immediate may co_await another.
@@ -117,6 +130,54 @@ struct Blocking {
     } else {
       return {coordinator.call(request, [&action] { return run(action).await_resume(); })};
     }
+  }
+};
+
+// Waits on a condition variable for a completion in this process or a clock deadline.
+class BlockingWaiter final : public Waiter, public std::enable_shared_from_this<BlockingWaiter> {
+ public:
+  void wake() override {
+    std::lock_guard lock(mutex_);
+    woken_ = true;
+    cv_.notify_all();
+  }
+
+  void wait_until(Clock& clock, TimePoint at) {
+    const Clock::TimerId timer = clock.call_at(at, [weak = weak_from_this()] {
+      if (auto self = weak.lock()) self->wake();
+    });
+    {
+      std::unique_lock lock(mutex_);
+      cv_.wait(lock, [this] { return woken_; });
+      woken_ = false;
+    }
+    clock.cancel(timer);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool woken_ = false;  // guarded by mutex_
+};
+
+// The blocking way of performing a call's effects (drive() below; the coroutine way is
+// asio.cpp's AsyncEffects): each at once, on the calling thread.
+struct BlockingEffects : Blocking {
+  CoordinatorCore& core;
+  std::shared_ptr<BlockingWaiter> waiting{};
+
+  std::shared_ptr<Waiter> waiter() { return waiting = std::make_shared<BlockingWaiter>(); }
+  template <class F>
+  Now<std::invoke_result_t<F&>> store(F f) {
+    return {f()};
+  }
+  Now<void> write(StoreOp& op) {
+    core.commits.commit(op);
+    return {};
+  }
+  Now<void> sleep(TimePoint until) {
+    waiting->wait_until(*core.clock, until);
+    return {};
   }
 };
 

@@ -7,7 +7,9 @@
 
 #include "attempt.hpp"
 #include "core.hpp"
+#include "drive.hpp"
 #include "idem/test_control.hpp"
+#include "maintenance_jobs.hpp"
 
 namespace idem {
 
@@ -252,26 +254,14 @@ void AttemptAccess::resumed(detail::CoordinatorCore& core, CompleterReport& repo
 }
 
 CompleterReport Completer::run_once() {
-  detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator_);
-  CompleterReport report;
   std::vector<std::string> operations;
   for (const auto& [operation, handler] : handlers_) operations.push_back(operation);
-  for (const AbandonedOperation& op :
-       coordinator_.abandoned(options_.abandoned_after, options_.batch, operations)) {
-    ++report.found;
-    const auto handler = handlers_.find(op.id.operation);
-    if (handler == handlers_.end()) {
-      ++report.skipped;
-      continue;
-    }
-    std::exception_ptr failure;
-    try {
-      coordinator_.call_steps(AttemptAccess::resume_request(op), handler->second);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    AttemptAccess::resumed(core, report, op, failure);
-  }
+  const std::vector<AbandonedOperation> found =
+      coordinator_.abandoned(options_.abandoned_after, options_.batch, operations);
+  CompleterReport report;
+  const std::atomic<bool> never_stops{false};
+  detail::resume_abandoned<detail::Blocking>(coordinator_, found, handlers_, never_stops, report)
+      .get();
   return report;
 }
 

@@ -7,10 +7,12 @@
 #include <idem/fingerprint.hpp>
 #include <idem/http.hpp>
 #include <idem/key.hpp>
+#include <idem/maintenance.hpp>
 #include <idem/metrics.hpp>
 #include <idem/options.hpp>
 #include <idem/response.hpp>
 #include <idem/sqlite_store.hpp>
+#include <idem/steps.hpp>
 #include <idem/store.hpp>
 #include <idem/store_wrapper.hpp>
 #include <idem/typed.hpp>
@@ -36,5 +38,7 @@ int main() {
     if (out.response.body != R"({"charge":"ch_1"})") return 2;
   }
   std::cout << "blocking consumer: charges made: " << charges << '\n';
+  idem::MaintenanceThread maintenance(idem);  // the schedule, without Boost
+  if (maintenance.run_once().rounds != 1) return 3;
   return charges == 1 && idem.metrics().replayed == 2 ? 0 : 1;
 }

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "idem/coordinator.hpp"
+#include "idem/maintenance.hpp"
 #include "idem/steps.hpp"
 
 namespace idem {
@@ -65,33 +66,9 @@ boost::asio::awaitable<std::string> async_local(Attempt& attempt, std::string st
 
 // --- Maintenance on a schedule ----------------------------------------------------------
 
-struct MaintenanceOptions {
-  // How often each job runs. Defaults: purge, reap and the completer every 10 s, the outbox
-  // (and the release of reservations whose reply was lost) every second.
-  std::chrono::milliseconds purge_every{std::chrono::seconds(10)};
-  std::chrono::milliseconds reap_every{std::chrono::seconds(10)};
-  std::chrono::milliseconds complete_every{std::chrono::seconds(10)};
-  std::chrono::milliseconds dispatch_every{std::chrono::seconds(1)};
-  // Records per purge or reap transaction (short, so a request waits for the write lock at
-  // most one batch). Default: 100.
-  std::size_t batch = 100;
-  CompleterOptions completer{};
-  OutboxOptions outbox{};
-};
-
-struct MaintenanceReport {
-  std::size_t purged = 0;         // expired records deleted
-  std::size_t reaped = 0;         // abandoned reservations without progress cleared
-  std::size_t outbox_purged = 0;  // delivered messages deleted
-  std::size_t lost_released = 0;  // reservations whose reply was lost, released
-                                  // (Coordinator::release_lost_reservations)
-  CompleterReport completer{};
-  DispatchReport outbox{};
-  std::size_t failures = 0;  // jobs that failed this round (logged "maintenance_failed")
-};
-
-// One background task for a long-running embedding (idem-demo serve uses it): purge, reap,
-// the completer and the outbox dispatcher, each at its interval, on an executor the
+// One background task for a long-running coroutine embedding (idem-demo serve uses it): the
+// schedule of idem/maintenance.hpp (purge, reap, the completer and the outbox dispatcher, each
+// at its interval; MaintenanceThread runs the same for a blocking one) on an executor the
 // application gives it (its own thread, so the store work and the completer's steps never
 // run on a request's thread). Jobs are counted in Coordinator::metrics() and logged; a job
 // that fails is logged and tried again at its next turn.
