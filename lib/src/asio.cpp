@@ -407,25 +407,8 @@ net::awaitable<Outcome> async_call_steps(Coordinator& coordinator, Request reque
 net::awaitable<std::string> async_external(Attempt& attempt, std::string step,
                                            AsyncExternalCall call, AsyncLookup lookup) {
   detail::CoordinatorCore& core = AttemptAccess::core(attempt);
-  Attempt::Plan plan =
-      co_await store_call<Attempt::Plan>(core, [&] { return attempt.begin_external(step); });
-  if (plan.kind == Attempt::Plan::Kind::done) co_return plan.result;
-  if (plan.kind == Attempt::Plan::Kind::look_up) {
-    if (lookup) {
-      std::optional<std::string> found = co_await lookup(plan.key);
-      if (found) {
-        co_return co_await store_call<std::string>(
-            core, [&] { return attempt.finish_external(step, std::move(*found), true); });
-      }
-    }
-    co_await store_call<bool>(core, [&] {
-      attempt.begin_call(step);
-      return true;
-    });
-  }
-  std::string result = co_await call(plan.key);
-  co_return co_await store_call<std::string>(
-      core, [&] { return attempt.finish_external(step, std::move(result), false); });
+  const net::any_io_executor ex = co_await net::this_coro::executor;
+  co_return co_await detail::external_step(attempt, step, call, lookup, AsyncEffects{{}, core, ex});
 }
 
 net::awaitable<std::string> async_local(Attempt& attempt, std::string step,

@@ -5,6 +5,8 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "core.hpp"
 #include "idem/steps.hpp"
@@ -12,11 +14,9 @@
 namespace idem {
 
 struct AttemptAccess {
-  // Begins or resumes the progress of the record `token` holds (StepStore::begin_steps) and
-  // counts a resume. Throws LeaseLostError if `token` is no longer current, or StoreError.
-  static Attempt begin(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
-                       const std::string& payload);
-  // begin() once begin_steps has answered `progress` (for a driver that made that call itself).
+  // The Attempt of the record `token` holds, once StepStore::begin_steps has answered
+  // `progress`; counts a resume. Throws LeaseLostError if `progress` is null (`token` is no
+  // longer current).
   static Attempt started(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
                          std::optional<Progress> progress);
   static detail::CoordinatorCore& core(Attempt& attempt) noexcept { return attempt.core_; }
@@ -35,4 +35,37 @@ struct AttemptAccess {
                       const AbandonedOperation& op, const std::exception_ptr& failure);
 };
 
+namespace detail {
+
+// The one body of Attempt::external (P: drive.hpp's BlockingEffects) and async_external
+// (asio.cpp's AsyncEffects): the plan, the look-up after an unknown outcome, the call with the
+// derived key, each store step through perform.store and each application call through P::run.
+template <class P, class Call, class Lookup>
+typename P::template Task<std::string> external_step(Attempt& attempt, std::string_view step,
+                                                     const Call& call, const Lookup& lookup,
+                                                     P perform) {
+  Attempt::Plan plan = co_await perform.store([&] { return attempt.begin_external(step); });
+  if (plan.kind == Attempt::Plan::Kind::done) co_return plan.result;
+  if (plan.kind == Attempt::Plan::Kind::look_up) {
+    if (lookup) {
+      std::optional<std::string> found = co_await P::run(lookup, plan.key);
+      if (found) {
+        std::string recorded = co_await perform.store(
+            [&] { return attempt.finish_external(step, std::move(*found), true); });
+        co_return recorded;
+      }
+    }
+    // Never happened downstream (or no way to ask): call, as a first call.
+    co_await perform.store([&] {
+      attempt.begin_call(step);
+      return true;
+    });
+  }
+  std::string result = co_await P::run(call, plan.key);
+  std::string recorded = co_await perform.store(
+      [&] { return attempt.finish_external(step, std::move(result), false); });
+  co_return recorded;
+}
+
+}  // namespace detail
 }  // namespace idem

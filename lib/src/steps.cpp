@@ -150,26 +150,7 @@ std::string Attempt::finish_external(std::string_view step, std::string result, 
 
 std::string Attempt::external(std::string_view step, const ExternalCall& call,
                               const Lookup& lookup) {
-  Plan plan = begin_external(step);
-  switch (plan.kind) {
-    case Plan::Kind::done:
-      return plan.result;
-    case Plan::Kind::look_up:
-      if (lookup) {
-        if (std::optional<std::string> found = lookup(plan.key))
-          return finish_external(step, std::move(*found), true);
-      }
-      begin_call(step);  // never happened downstream (or no way to ask): call, as a first call
-      break;
-    case Plan::Kind::call:
-      break;
-  }
-  return finish_external(step, call(plan.key), false);
-}
-
-Attempt AttemptAccess::begin(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
-                             const std::string& payload) {
-  return started(core, id, token, steps_of(*core.store).begin_steps(id, token, payload));
+  return detail::external_step(*this, step, call, lookup, detail::BlockingEffects{{}, core_}).get();
 }
 
 Attempt AttemptAccess::started(detail::CoordinatorCore& core, const KeyId& id, std::int64_t token,
