@@ -20,8 +20,10 @@ namespace {
 // 35,700 and 34,600 calls/s, p99 615 and 980 us; without it 25,100 and 31,900 calls/s, p99
 // 3,840 and 3,940 us. Under synchronous=full the runs overlap (14,200 to 16,200 calls/s with
 // it, 12,600 to 15,700 without): the fsync, not the batch, bounds them there. The back-off
-// after a slow yield is for a leader sharing its CPU with other work, which no section of
-// scripts/bench runs; it is not measured.
+// after a slow yield is for a leader sharing its CPU with other work (scripts/bench's "8
+// threads, both CPUs busy with other work", threads_busy_fresh_calls_per_s; --quick --only
+// calls, 2026-12-02, three runs each, alternated): with it 8,300, 7,400 and 7,900 calls/s,
+// without it 900, 850 and 970: each gather then waits out the busy threads' time slices.
 constexpr int kGatherYields = 8;
 constexpr std::chrono::microseconds kGatherBudget{200};
 constexpr int kMaxGatherBackoff = 1024;

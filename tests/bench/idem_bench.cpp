@@ -323,6 +323,25 @@ Stats idem_fresh_threads(const Config& c, Synchronous sync, std::size_t n, std::
   return idem_threads(*idem, n, threads, [](std::size_t i) { return key_of(i); });
 }
 
+// The same while two threads of other work (a service's own computation beside idem) keep both
+// CPUs busy: a leader's yield then hands its CPU to one of them, not to a writer. Group
+// commit's back-off after a slow yield (lib/src/group_commit.cpp) is for this case.
+Stats idem_fresh_threads_busy(const Config& c, std::size_t n, std::size_t threads) {
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> busy;
+  for (int i = 0; i < 2; ++i) {
+    busy.emplace_back([&stop] {
+      std::uint64_t spins = 0;
+      while (!stop.load(std::memory_order_relaxed)) ++spins;
+      return spins;
+    });
+  }
+  const Stats s = idem_fresh_threads(c, Synchronous::normal, n, threads);
+  stop.store(true);
+  for (std::thread& t : busy) t.join();
+  return s;
+}
+
 void populate(Coordinator& idem, std::size_t keys, const std::string& prefix = "k") {
   idem_threads(idem, keys, 1, [&](std::size_t i) { return key_of(i, prefix); });
 }
@@ -825,6 +844,13 @@ int run_all(const Config& c) {
     const Stats threads8 = idem_fresh_threads(c, sync, calls, 8);
     report.line(fmt::format("{}: idem, 8 threads, blocking", mode), threads8, &floor);
     report.line(fmt::format("{}: the same against one blocking caller", mode), threads8, &blocking);
+    if (sync == Synchronous::normal) {
+      const Stats busy = idem_fresh_threads_busy(c, calls, 8);
+      report.line(fmt::format("{}: idem, 8 threads, both CPUs busy with other work", mode), busy,
+                  &threads8);
+      o["threads_busy_fresh_calls_per_s"] = busy.per_s;
+      o["threads_busy_p99_us"] = busy.p99_us;
+    }
     report.heading(fmt::format("synchronous={}: replay of completed keys", mode));
     const std::size_t keys = 2000;
     const Stats floor_r = floor_replay(c, sync, keys, calls);
