@@ -684,6 +684,14 @@ TEST_CASE("maintenance: the loop runs the completer and the outbox on the clock 
   CHECK(shop.mails() == 1);
 }
 
+// The shop's outbox and its checkouts (blocking), for the completer of `m`.
+void serve_checkouts(MaintenanceThread& m, Shop& shop) {
+  m.deliver(demo::mail_delivery(shop.mail));
+  m.resume("checkout", [&shop](Attempt& a) {
+    return demo::checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
+  });
+}
+
 // Waits (a bounded spin, not a sleep) until `m` has run more than `rounds` rounds and sleeps
 // again: its wake-up is on `clock` (so the clock's next move wakes it).
 bool rounds_pass(const MaintenanceThread& m, const sim::SimulatedClock& clock, std::size_t rounds) {
@@ -702,10 +710,7 @@ TEST_CASE(
   shop.crash_at("k1", shop.order(), "after order_created");
   MaintenanceThread maintenance(*shop.world.idem,
                                 MaintenanceOptions{.completer = {.abandoned_after = 20s}});
-  maintenance.deliver(demo::mail_delivery(shop.mail));
-  maintenance.resume("checkout", [&](Attempt& a) {
-    return demo::checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
-  });
+  serve_checkouts(maintenance, shop);
   CHECK_THROWS_AS(maintenance.resume("checkout", {}), idem::error);  // bad input, nothing changes
   maintenance.start();
   CHECK_THROWS_AS(maintenance.start(), std::logic_error);
@@ -737,10 +742,7 @@ TEST_CASE("maintenance: the blocking run_once runs every job once, on the callin
   shop.crash_at("k1", shop.order(), "after order_created");
   MaintenanceThread maintenance(*shop.world.idem,
                                 MaintenanceOptions{.completer = {.abandoned_after = 20s}});
-  maintenance.deliver(demo::mail_delivery(shop.mail));
-  maintenance.resume("checkout", [&](Attempt& a) {
-    return demo::checkout(a, *shop.world.provider, demo::checkout_from_payload(a.request()));
-  });
+  serve_checkouts(maintenance, shop);
   CHECK(maintenance.run_once().completer.found == 0);  // still within its lease
   shop.world.clock->advance(1min);
   const MaintenanceReport first = maintenance.run_once();

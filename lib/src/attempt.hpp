@@ -1,4 +1,5 @@
-// How the drivers (coordinator.cpp, asio.cpp) start an Attempt and end a failed one.
+// How the effect loop (drive.hpp) starts an Attempt and ends a failed one, the completer's
+// bookkeeping, and the one body of an external step.
 #pragma once
 
 #include <cstdint>

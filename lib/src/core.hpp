@@ -1,7 +1,7 @@
 // What every call of one Coordinator shares: the store, the options, the clock, the
 // counters, the in-process registry of held keys, the group commit and whether calls read
-// before they reserve. The flow (flow.hpp) of each call works on it; the drivers
-// (coordinator.cpp, asio.cpp) only hand it effects.
+// before they reserve. The flow (flow.hpp) of each call works on it; the effect loop
+// (drive.hpp) only hands it effects.
 #pragma once
 
 #include <atomic>
