@@ -16,11 +16,11 @@
 // A blocking writer never depends on an event loop: if no round is running it leads at once
 // (even when a coroutine's round is posted but has not started), and a hand-off goes to a
 // queued blocking writer first. This is a rule, not a heuristic: a thread that waited for a
-// round only a coroutine could start would wait for an event loop that may be blocked on it. A blocking leader whose last round carried other writers'
-// ops first yields its CPU a few times, until the queue is as long as that round was (the
-// threads it woke are on their way back with their next writes): threads then batch as
-// coroutines do, and a lone caller never waits. Where a yield hands the CPU to a thread busy with
-// other work (a slow yield), gathering backs off.
+// round only a coroutine could start would wait for an event loop that may be blocked on it. A
+// blocking leader whose last round carried other writers' ops first yields its CPU a few times,
+// until the queue is as long as that round was (the threads it woke are on their way back with
+// their next writes): threads then batch as coroutines do, and a lone caller never waits. Where a
+// yield hands the CPU to a thread busy with other work (a slow yield), gathering backs off.
 //
 // A coroutine writer posts its round to its executor, so every coroutine that becomes ready
 // in the same turn joins the batch; its ops may also be committed by any other leader. Its
