@@ -740,6 +740,26 @@ TEST_CASE("coordinator: typed results round-trip through JSON, including null an
   CHECK(ran == 3);
 }
 
+TEST_CASE(
+    "coordinator: Request::max_wait bounds a wait below Options::max_wait; a negative one is "
+    "refused") {
+  World w = blocking_world({});  // InFlight::wait, max_wait 10 s
+  w.idem->call(request("k1"), [&] {
+    // The holder runs on this thread, and the simulated clock does not move: a duplicate that
+    // waited Options::max_wait would wait for good.
+    idem::Request now = request("k1");
+    now.max_wait = 0ms;
+    CHECK_THROWS_AS(w.idem->call(now, w.charge_action()), idem::InProgressError);
+    idem::Request negative = request("k1");
+    negative.max_wait = -1ms;
+    CHECK_THROWS_WITH_AS(w.idem->call(negative, w.charge_action()),
+                         doctest::Contains("max_wait must not be negative"), idem::error);
+    return Response{200, "{}", {}};
+  });
+  CHECK(w.charges() == 0);
+  CHECK(w.idem->metrics().in_progress_conflicts == 1);
+}
+
 TEST_CASE("coordinator: a 409 and a 422 leave the record exactly as it was") {
   World w = blocking_world({.in_flight = InFlight::raise});
   const idem::KeyId id{"alpha", "payment.charge", "k1"};

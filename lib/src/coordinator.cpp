@@ -120,6 +120,7 @@ CoordinatorCore::ChangeSubscription::~ChangeSubscription() {
 Call CoordinatorCore::prepare(const Request& r, bool steps) const {
   validate_key_part("tenant", r.tenant);
   validate_key_part("operation", r.operation);
+  check(!r.max_wait || r.max_wait->count() >= 0, "request: max_wait must not be negative");
   Call c;
   c.policy = r.in_flight.value_or(options.in_flight);
   if (!steps && c.policy == InFlight::wait &&

@@ -57,7 +57,8 @@ Flow::Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_wai
     : core_(core),
       call_(core.prepare(request, steps)),
       make_waiter_(std::move(make_waiter)),
-      give_up_(core.now() + core.options.max_wait),
+      give_up_(core.now() +
+               std::min(core.options.max_wait, request.max_wait.value_or(core.options.max_wait))),
       poll_(core.options.poll_initial) {}
 
 Flow::~Flow() {

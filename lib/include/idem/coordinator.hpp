@@ -44,6 +44,9 @@ struct Request {
   // call_steps only: the request as the action needs it to run without its client. Stored on
   // the record with the first attempt (Attempt::request()), so the completer can resume it.
   std::string payload{};
+  // At most this long waiting for another request with the key (InFlight::wait), when it is
+  // shorter than Options::max_wait: what is left of the client's deadline, say. Not negative.
+  std::optional<std::chrono::milliseconds> max_wait{};
 };
 
 struct Outcome {
