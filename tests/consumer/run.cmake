@@ -3,7 +3,8 @@
 #   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... [-DCXX_COMPILER=...] [-DBUILD_TYPE=...]
 #         [-DCXX_FLAGS=...] [-DSQLITE_ONLY=ON -DSANITIZE=...]
 # With SQLITE_ONLY it builds and installs idem afresh with every optional part off (SANITIZE:
-# the IDEM_SANITIZE to build it with) and checks the consumer needs neither Boost nor libpq.
+# the IDEM_SANITIZE to build it with) and checks the consumer needs neither Boost, libpq nor
+# gRPC.
 #         -P run.cmake
 foreach(var BUILD_DIR SOURCE_DIR WORK_DIR)
   if(NOT ${var})
@@ -34,7 +35,7 @@ if(SQLITE_ONLY)
   # A fresh build of the library alone, from the same sources: every optional part off, with
   # Boost and libpq hidden behind tests/consumer/without, then installed.
   run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/idem -G Ninja -DCMAKE_BUILD_TYPE=${BUILD_TYPE}
-      -DIDEM_ASIO=OFF -DIDEM_HTTP=OFF -DIDEM_PG=OFF -DIDEM_TESTS=OFF -DIDEM_DEMO=OFF -DIDEM_FUZZ=OFF
+      -DIDEM_ASIO=OFF -DIDEM_HTTP=OFF -DIDEM_PG=OFF -DIDEM_GRPC=OFF -DIDEM_TESTS=OFF -DIDEM_DEMO=OFF -DIDEM_FUZZ=OFF
       "-DIDEM_SANITIZE=${SANITIZE}"
       "-DCMAKE_CXX_FLAGS=-I${SOURCE_DIR}/tests/consumer/without"
       ${compiler})
@@ -47,7 +48,8 @@ if(EXISTS ${prefix}/include/idem/internal OR EXISTS ${prefix}/include/idem/sim O
    EXISTS ${prefix}/include/idem/test_control.hpp)
   message(FATAL_ERROR "internal, simulator or test_control headers were installed")
 endif()
-if(SQLITE_ONLY AND (EXISTS ${prefix}/include/idem/asio.hpp OR EXISTS ${prefix}/include/idem/pg_store.hpp))
+if(SQLITE_ONLY AND (EXISTS ${prefix}/include/idem/asio.hpp OR EXISTS ${prefix}/include/idem/pg_store.hpp
+                    OR EXISTS ${prefix}/include/idem/grpc.hpp))
   message(FATAL_ERROR "an idem built for SQLite alone installed the headers of parts it left out")
 endif()
 if(SQLITE_ONLY)

@@ -1,0 +1,390 @@
+// The gRPC guard (idem/grpc.hpp) on real loopback gRPC: a server on 127.0.0.1 and a free port,
+// the generated stub of tests/proto/idem_test.proto, a provider that does NOT deduplicate (so
+// a second run of a method shows as a second charge), and every rule counted in the method's
+// runs and the provider's charges.
+#include "idem/grpc.hpp"
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idem_test.grpc.pb.h"
+#include "idem_test.pb.h"
+#include "test_support.hpp"
+
+using namespace std::chrono_literals;
+
+namespace {
+
+using idemtest::ChargeReply;
+using idemtest::ChargeRequest;
+using idemtest::Payments;
+
+constexpr const char* kMethod = "/idemtest.Payments/Charge";
+
+// What a test's method does on a run, before it is counted: charges, by default.
+using Method =
+    std::function<grpc::Status(const ChargeRequest&, ChargeReply&, idem::grpc::Context&)>;
+
+struct Counted {
+  std::atomic<int> runs{0};
+  Method method;
+  grpc::Status run(const ChargeRequest& request, ChargeReply& reply, idem::grpc::Context& c) {
+    ++runs;
+    return method(request, reply, c);
+  }
+};
+
+class SyncPayments final : public Payments::Service {
+ public:
+  SyncPayments(idem::grpc::Guard& guard, Counted& counted) : guard_(guard), counted_(counted) {}
+  grpc::Status Charge(grpc::ServerContext* context, const ChargeRequest* request,
+                      ChargeReply* reply) override {
+    return guard_.unary(*context, kMethod, *request, *reply,
+                        [&](idem::grpc::Context& c) { return counted_.run(*request, *reply, c); });
+  }
+
+ private:
+  idem::grpc::Guard& guard_;
+  Counted& counted_;
+};
+
+class CallbackPayments final : public Payments::CallbackService {
+ public:
+  CallbackPayments(idem::grpc::Guard& guard, Counted& counted) : guard_(guard), counted_(counted) {}
+  grpc::ServerUnaryReactor* Charge(grpc::CallbackServerContext* context,
+                                   const ChargeRequest* request, ChargeReply* reply) override {
+    return guard_.unary(*context, kMethod, *request, *reply, [this, request, reply](auto& c) {
+      return counted_.run(*request, *reply, c);
+    });
+  }
+
+ private:
+  idem::grpc::Guard& guard_;
+  Counted& counted_;
+};
+
+// A world (store, clock, provider, coordinator), a guard, and a gRPC server on loopback
+// running Service over it.
+template <class Service = SyncPayments>
+struct Served {
+  explicit Served(idem::grpc::GuardOptions options = {}, idem::Options coordinator = {})
+      : world(std::move(coordinator), idem::sim::ProviderOptions{.latency = 0ms, .dedup = false}),
+        guard(*world.idem, std::move(options)),
+        service(guard, counted) {
+    counted.method = [this](const ChargeRequest& request, ChargeReply& reply,
+                            idem::grpc::Context&) {
+      const idem::sim::ChargeResult r =
+          world.provider->charge(request.order_id(), request.amount(), "");
+      reply.set_charge_id(r.charge_id);
+      return grpc::Status::OK;
+    };
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+    REQUIRE(server != nullptr);
+    REQUIRE(port > 0);
+    stub = Payments::NewStub(
+        grpc::CreateChannel(fmt::format("127.0.0.1:{}", port), grpc::InsecureChannelCredentials()));
+  }
+  ~Served() { server->Shutdown(std::chrono::system_clock::now() + 5s); }
+
+  idem::test::World world;
+  Counted counted;
+  idem::grpc::Guard guard;
+  Service service;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<Payments::Stub> stub;
+};
+
+struct Answer {
+  grpc::Status status;
+  ChargeReply reply;
+  std::multimap<std::string, std::string> trailers;
+  std::string trailer(const std::string& name) const {
+    const auto it = trailers.find(name);
+    return it == trailers.end() ? std::string() : it->second;
+  }
+};
+
+ChargeRequest order(std::string id = "A-10023", long long amount = 4990) {
+  ChargeRequest r;
+  r.set_amount(amount);
+  r.set_currency("RUB");
+  r.set_order_id(std::move(id));
+  return r;
+}
+
+// One call, with `keys` as idempotency-key metadata (none, one, or several), every wait
+// bounded by a 30 s deadline.
+Answer call(Payments::Stub& stub, const ChargeRequest& request,
+            const std::vector<std::string>& keys) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + 30s);
+  for (const std::string& k : keys) context.AddMetadata("idempotency-key", k);
+  Answer a;
+  a.status = stub.Charge(&context, request, &a.reply);
+  for (const auto& [name, value] : context.GetServerTrailingMetadata())
+    a.trailers.emplace(std::string(name.data(), name.size()),
+                       std::string(value.data(), value.size()));
+  return a;
+}
+
+Answer call(Payments::Stub& stub, const ChargeRequest& request, const std::string& key) {
+  return call(stub, request, std::vector<std::string>{key});
+}
+
+TEST_CASE("grpc: a retried call with the same key charges once, and the retry is a replay") {
+  Served<> s;
+  const Answer first = call(*s.stub, order(), "k1");
+  REQUIRE(first.status.ok());
+  CHECK(first.reply.charge_id() == "ch_1");
+  CHECK(first.trailer("idempotent-replayed").empty());
+  CHECK(!first.trailer("idempotency-expires").empty());
+  for (int retry = 0; retry < 3; ++retry) {
+    const Answer again = call(*s.stub, order(), "k1");
+    REQUIRE(again.status.ok());
+    CHECK(again.reply.charge_id() == "ch_1");
+    CHECK(again.trailer("idempotent-replayed") == "true");
+    CHECK(again.trailer("idempotency-expires") == first.trailer("idempotency-expires"));
+  }
+  CHECK(s.counted.runs == 1);
+  CHECK(s.world.charges() == 1);
+  // Another key is another operation.
+  CHECK(call(*s.stub, order(), "k2").reply.charge_id() == "ch_2");
+  CHECK(s.world.charges() == 2);
+}
+
+TEST_CASE(
+    "grpc: a call without a key, with two keys or a malformed one is refused and nothing runs") {
+  Served<> s;
+  const Answer none = call(*s.stub, order(), std::vector<std::string>{});
+  CHECK(none.status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(none.trailer("idempotency-error") == "idempotency_key_required");
+  const Answer two = call(*s.stub, order(), std::vector<std::string>{"k1", "k2"});
+  CHECK(two.status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(two.trailer("idempotency-error") == "idempotency_key_invalid");
+  const Answer longer = call(*s.stub, order(), std::string(300, 'k'));
+  CHECK(longer.status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(longer.trailer("idempotency-error") == "idempotency_key_invalid");
+  CHECK(s.counted.runs == 0);
+  CHECK(s.world.charges() == 0);
+  CHECK(s.world.rows() == 0);
+}
+
+TEST_CASE("grpc: without key_required a call without a key runs unguarded") {
+  Served<> s(idem::grpc::GuardOptions{.key_required = false});
+  CHECK(call(*s.stub, order(), std::vector<std::string>{}).status.ok());
+  CHECK(call(*s.stub, order(), std::vector<std::string>{}).status.ok());
+  CHECK(s.world.charges() == 2);  // no key, no guarantee: the caller chose so
+  CHECK(s.world.rows() == 0);
+}
+
+TEST_CASE("grpc: the same key with another request is FAILED_PRECONDITION and charges nothing") {
+  Served<> s;
+  REQUIRE(call(*s.stub, order("A-1", 4990), "k1").status.ok());
+  const Answer other = call(*s.stub, order("A-1", 9990), "k1");
+  CHECK(other.status.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK(other.trailer("idempotency-error") == "idempotency_key_reused");
+  CHECK(s.counted.runs == 1);
+  CHECK(s.world.charges() == 1);
+}
+
+TEST_CASE("grpc: a status that is not an outcome releases the key, a business error is replayed") {
+  Served<> s;
+  const Method charge = s.counted.method;
+  SUBCASE("UNAVAILABLE: not kept, the retry runs again") {
+    s.counted.method = [](const ChargeRequest&, ChargeReply&, idem::grpc::Context&) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the bank is down");
+    };
+    const Answer down = call(*s.stub, order(), "k1");
+    CHECK(down.status.error_code() == grpc::StatusCode::UNAVAILABLE);
+    CHECK(down.status.error_message() == "the bank is down");
+    CHECK(down.trailer("idempotency-error").empty());  // the method's answer, not idem's
+    s.counted.method = charge;
+    const Answer retry = call(*s.stub, order(), "k1");
+    CHECK(retry.status.ok());
+    CHECK(retry.trailer("idempotent-replayed").empty());
+    CHECK(s.counted.runs == 2);
+    CHECK(s.world.charges() == 1);
+  }
+  SUBCASE("FAILED_PRECONDITION with details: kept and replayed as it was") {
+    s.counted.method = [](const ChargeRequest&, ChargeReply&, idem::grpc::Context&) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "insufficient funds",
+                          std::string("\x08\x09\x00\x01", 4));
+    };
+    const Answer declined = call(*s.stub, order(), "k1");
+    s.counted.method = charge;
+    const Answer again = call(*s.stub, order(), "k1");
+    CHECK(again.status.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK(again.status.error_message() == "insufficient funds");
+    CHECK(again.status.error_details() == declined.status.error_details());
+    CHECK(again.trailer("idempotent-replayed") == "true");
+    CHECK(s.counted.runs == 1);
+    CHECK(s.world.charges() == 0);
+  }
+  SUBCASE("a method that throws: UNKNOWN, the key released") {
+    s.counted.method = [](const ChargeRequest&, ChargeReply&,
+                          idem::grpc::Context&) -> grpc::Status {
+      throw std::runtime_error("order service unreachable");
+    };
+    const Answer threw = call(*s.stub, order(), "k1");
+    CHECK(threw.status.error_code() == grpc::StatusCode::UNKNOWN);
+    CHECK(threw.status.error_message() == "order service unreachable");
+    s.counted.method = charge;
+    CHECK(call(*s.stub, order(), "k1").status.ok());
+    CHECK(s.counted.runs == 2);
+    CHECK(s.world.charges() == 1);
+  }
+}
+
+TEST_CASE(
+    "grpc: trailers named in stored_trailers are replayed, others go only to the first answer") {
+  Served<> s(idem::grpc::GuardOptions{.stored_trailers = {"payment-charge-id"}});
+  const Method charge = s.counted.method;
+  s.counted.method = [&](const ChargeRequest& r, ChargeReply& reply, idem::grpc::Context& c) {
+    const grpc::Status status = charge(r, reply, c);
+    c.trailers.push_back({"payment-charge-id", reply.charge_id()});
+    c.trailers.push_back({"x-served-by", "node-1"});
+    return status;
+  };
+  const Answer first = call(*s.stub, order(), "k1");
+  CHECK(first.trailer("payment-charge-id") == "ch_1");
+  CHECK(first.trailer("x-served-by") == "node-1");
+  const Answer again = call(*s.stub, order(), "k1");
+  CHECK(again.trailer("payment-charge-id") == "ch_1");
+  CHECK(again.trailer("x-served-by").empty());
+  CHECK(s.world.charges() == 1);
+}
+
+TEST_CASE("grpc: a guard refuses to store credentials and refuses InFlight::run") {
+  idem::test::World w;
+  CHECK_THROWS_AS(idem::grpc::Guard(*w.idem, {.stored_trailers = {"authorization"}}), idem::error);
+  CHECK_THROWS_AS(idem::grpc::Guard(*w.idem, {.stored_trailers = {"grpc-status"}}), idem::error);
+  CHECK_THROWS_AS(idem::grpc::Guard(*w.idem, {.in_flight = idem::InFlight::run}), idem::error);
+  CHECK_THROWS_AS(idem::grpc::Guard(*w.idem, {.key_metadata = ""}), idem::error);
+}
+
+TEST_CASE("grpc: the key may come from the request (AIP-155's request_id)") {
+  Served<> s(idem::grpc::GuardOptions{
+      .key_field = [](const google::protobuf::Message& m) -> std::optional<std::string> {
+        return dynamic_cast<const ChargeRequest&>(m).request_id();
+      }});
+  ChargeRequest r = order();
+  r.set_request_id("req-1");
+  REQUIRE(call(*s.stub, r, std::vector<std::string>{}).status.ok());
+  const Answer again = call(*s.stub, r, std::vector<std::string>{});
+  CHECK(again.trailer("idempotent-replayed") == "true");
+  CHECK(s.world.charges() == 1);
+}
+
+TEST_CASE("grpc: reordering a message's fields in its .proto keeps the request's fingerprint") {
+  ChargeRequest a = order("A-7", 1250);
+  a.set_request_id("req-7");
+  idemtest::ChargeRequestReordered b;
+  b.set_request_id("req-7");
+  b.set_order_id("A-7");
+  b.set_amount(1250);
+  b.set_currency("RUB");
+  CHECK(idem::grpc::fingerprint_of(a) == idem::grpc::fingerprint_of(b));
+  b.set_amount(1251);
+  CHECK(idem::grpc::fingerprint_of(a) != idem::grpc::fingerprint_of(b));
+}
+
+idem::Options failing_store(idem::FailureMode mode) {
+  idem::Options o;
+  o.on_store_failure = mode;
+  return o;
+}
+
+TEST_CASE(
+    "grpc: fail closed, a failing store answers UNAVAILABLE store_unavailable and nothing runs") {
+  Served<> s({}, failing_store(idem::FailureMode::fail_closed));
+  s.world.faulty->fail(idem::sim::Operation::reserve);
+  s.world.faulty->fail(idem::sim::Operation::load);
+  const Answer a = call(*s.stub, order(), "k1");
+  CHECK(a.status.error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK(a.trailer("idempotency-error") == "store_unavailable");
+  CHECK(s.counted.runs == 0);
+  CHECK(s.world.charges() == 0);
+}
+
+TEST_CASE("grpc: fail open, a failing store lets the method run unguarded, with no expiry") {
+  Served<> s({}, failing_store(idem::FailureMode::fail_open));
+  s.world.faulty->fail(idem::sim::Operation::reserve);
+  s.world.faulty->fail(idem::sim::Operation::load);
+  const Answer a = call(*s.stub, order(), "k1");
+  CHECK(a.status.ok());
+  CHECK(a.trailer("idempotency-expires").empty());  // nothing was stored
+  CHECK(s.counted.runs == 1);
+  CHECK(s.world.charges() == 1);
+}
+
+// 20 identical calls at once: the method's body holds the key until `ready` says the others
+// have met it, so the calls overlap for certain.
+template <class Service>
+void twenty_at_once(Served<Service>& s, const std::function<bool()>& ready) {
+  const Method charge = s.counted.method;
+  s.counted.method = [&](const ChargeRequest& r, ChargeReply& reply, idem::grpc::Context& c) {
+    const auto give_up = std::chrono::steady_clock::now() + 20s;
+    while (!ready() && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+    return charge(r, reply, c);
+  };
+  std::vector<Answer> answers(20);
+  std::vector<std::thread> clients;
+  for (std::size_t i = 0; i < answers.size(); ++i)
+    clients.emplace_back([&, i] { answers[i] = call(*s.stub, order(), "same-key"); });
+  for (std::thread& t : clients) t.join();
+  int ok = 0, busy = 0;
+  for (const Answer& a : answers) {
+    if (a.status.ok()) {
+      ++ok;
+      CHECK(a.reply.charge_id() == "ch_1");
+    } else {
+      ++busy;
+      CHECK(a.status.error_code() == grpc::StatusCode::ABORTED);
+      CHECK(a.trailer("idempotency-error") == "idempotency_key_in_progress");
+      CHECK(!a.trailer("retry-after-ms").empty());
+    }
+  }
+  CHECK(ok + busy == 20);
+  CHECK(s.counted.runs == 1);
+  CHECK(s.world.charges() == 1);
+}
+
+TEST_CASE("grpc: 20 parallel identical calls under raise: one charge, the others ABORTED") {
+  Served<> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::raise});
+  twenty_at_once(s, [&] { return s.world.idem->metrics().in_progress_conflicts >= 19; });
+  CHECK(s.world.idem->metrics().in_progress_conflicts == 19);
+}
+
+TEST_CASE("grpc: 20 parallel identical calls under wait: one charge, every call its reply") {
+  Served<> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::wait});
+  twenty_at_once(s, [&] { return s.world.idem->metrics().waited >= 19; });
+  CHECK(s.world.idem->metrics().waited == 19);
+  CHECK(s.world.idem->metrics().replayed == 19);
+}
+
+TEST_CASE("grpc: the callback API gets the same guarantee") {
+  Served<CallbackPayments> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::raise});
+  REQUIRE(call(*s.stub, order(), "k1").status.ok());
+  const Answer again = call(*s.stub, order(), "k1");
+  CHECK(again.trailer("idempotent-replayed") == "true");
+  CHECK(again.reply.charge_id() == "ch_1");
+  CHECK(call(*s.stub, order(), std::vector<std::string>{}).status.error_code() ==
+        grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(s.counted.runs == 1);
+  CHECK(s.world.charges() == 1);
+}
+
+}  // namespace
