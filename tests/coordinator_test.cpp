@@ -741,7 +741,7 @@ TEST_CASE("coordinator: typed results round-trip through JSON, including null an
 }
 
 TEST_CASE(
-    "coordinator: Request::max_wait bounds a wait below Options::max_wait; a negative one is "
+    "coordinator: Request::max_wait bounds a wait below Options::max_wait, and a negative one is "
     "refused") {
   World w = blocking_world({});  // InFlight::wait, max_wait 10 s
   w.idem->call(request("k1"), [&] {
