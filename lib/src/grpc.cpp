@@ -12,6 +12,7 @@
 #include <exception>
 #include <utility>
 
+#include "core.hpp"
 #include "idem/errors.hpp"
 
 namespace idem::grpc {
@@ -62,6 +63,17 @@ void add_trailer(::grpc::ServerContextBase& context, std::string_view name,
   context.AddTrailingMetadata(std::string(name), std::string(value));
 }
 
+// What a method that threw gets, as gRPC answers a thrown exception: UNKNOWN.
+Status threw(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return Status(StatusCode::UNKNOWN, e.what());
+  } catch (...) {
+    return Status(StatusCode::UNKNOWN, "the method threw");
+  }
+}
+
 // One of idem's own answers (the header's table).
 Status refused(::grpc::ServerContextBase& context, StatusCode code, std::string_view error,
                std::string message) {
@@ -101,7 +113,7 @@ Fingerprint fingerprint_of(const google::protobuf::Message& request) {
 struct Guard::Impl {
   Impl(Coordinator& c, GuardOptions options) : coordinator(c), o(std::move(options)) {
     const auto check = [](bool ok, std::string_view what) {
-      if (!ok) throw error(errc::invalid_argument, fmt::format("idem: grpc guard: {}", what));
+      detail::check(ok, fmt::format("grpc guard: {}", what));
     };
     check(!o.key_metadata.empty(), "key_metadata is empty");
     check(!o.default_tenant.empty(), "default_tenant is empty");
@@ -196,17 +208,13 @@ struct Guard::Impl {
     if (key.answer) return *key.answer;
     Context call;
     if (!key.key) return run_unguarded(context, call, body);
+    // The coordinator validates the key (InvalidKeyError, answered by conclude()).
     Request r;
-    try {
-      r.tenant = o.tenant ? o.tenant(context) : std::string();
-      if (r.tenant.empty()) r.tenant = o.default_tenant;
-      r.operation = std::string(method);
-      r.key = *key.key;
-      validate(KeyId{r.tenant, r.operation, *r.key});
-      r.fingerprint = o.fingerprint ? o.fingerprint(request) : fingerprint_of(request);
-    } catch (const InvalidKeyError& e) {
-      return refused(context, StatusCode::INVALID_ARGUMENT, "idempotency_key_invalid", e.what());
-    }
+    r.tenant = o.tenant ? o.tenant(context) : std::string();
+    if (r.tenant.empty()) r.tenant = o.default_tenant;
+    r.operation = std::string(method);
+    r.key = *key.key;
+    r.fingerprint = o.fingerprint ? o.fingerprint(request) : fingerprint_of(request);
     r.in_flight = o.in_flight;
     // The client's deadline bounds a wait for another call with this key.
     const auto deadline = context.deadline();
@@ -255,10 +263,8 @@ struct Guard::Impl {
     Status s;
     try {
       s = body(call);
-    } catch (const std::exception& e) {
-      return Status(StatusCode::UNKNOWN, e.what());
     } catch (...) {
-      return Status(StatusCode::UNKNOWN, "the method threw");
+      return threw(std::current_exception());
     }
     for (const Header& h : call.trailers) add_trailer(context, h.name, h.value);
     return s;
@@ -285,14 +291,8 @@ struct Guard::Impl {
     } catch (const Unstored&) {
       send_trailers();  // the method's own answer, not kept: the key is free for a retry
       return *ran;
-    } catch (const BodyThrew& threw) {
-      try {
-        std::rethrow_exception(threw.error);
-      } catch (const std::exception& e) {
-        return Status(StatusCode::UNKNOWN, e.what());
-      } catch (...) {
-        return Status(StatusCode::UNKNOWN, "the method threw");
-      }
+    } catch (const BodyThrew& body_threw) {
+      return threw(body_threw.error);
     } catch (const InvalidKeyError& e) {
       return refused(context, StatusCode::INVALID_ARGUMENT, "idempotency_key_invalid", e.what());
     } catch (const KeyReuseError&) {
