@@ -12,6 +12,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -385,6 +386,215 @@ TEST_CASE("grpc: the callback API gets the same guarantee") {
         grpc::StatusCode::INVALID_ARGUMENT);
   CHECK(s.counted.runs == 1);
   CHECK(s.world.charges() == 1);
+}
+
+// --- A call its client gives up on -------------------------------------------------------
+
+// The method's body waits for `go` (bounded), so the client's cancel or deadline certainly
+// comes while it runs.
+void hold_until(Served<>& s, const std::atomic<bool>& go, std::atomic<bool>* started = nullptr) {
+  const Method charge = s.counted.method;
+  s.counted.method = [&go, started, charge](const ChargeRequest& r, ChargeReply& reply,
+                                            idem::grpc::Context& c) {
+    if (started) *started = true;
+    REQUIRE(idem::test::eventually([&] { return go.load(); }));
+    return charge(r, reply, c);
+  };
+}
+
+TEST_CASE("grpc: a call its client cancels runs its method to the end, and the retry replays it") {
+  Served<> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::wait});
+  std::atomic<bool> started{false}, go{false};
+  hold_until(s, go, &started);
+  grpc::ClientContext context;
+  context.AddMetadata("idempotency-key", "cancelled-1");
+  ChargeReply reply;
+  std::thread cancel([&] {
+    REQUIRE(idem::test::eventually([&] { return started.load(); }));
+    context.TryCancel();
+  });
+  const grpc::Status first = s.stub->Charge(&context, order(), &reply);
+  cancel.join();
+  CHECK(first.error_code() == grpc::StatusCode::CANCELLED);
+  go = true;  // the method goes on after its client left
+  // The retry waits for the first run (or finds it stored) and replays its charge.
+  const Answer retry = call(*s.stub, order(), "cancelled-1");
+  CHECK(retry.status.ok());
+  CHECK(retry.trailer("idempotent-replayed") == "true");
+  CHECK(retry.reply.charge_id() == "ch_1");
+  CHECK(s.counted.runs == 1);
+  CHECK(s.world.charges() == 1);
+}
+
+// --- The client side -----------------------------------------------------------------------
+
+TEST_CASE("grpc: new_key gives distinct version-4 UUIDs") {
+  const std::string a = idem::grpc::new_key(), b = idem::grpc::new_key();
+  CHECK(a != b);
+  REQUIRE(a.size() == 36);
+  CHECK(a[8] == '-');
+  CHECK(a[14] == '4');
+  CHECK(std::string("89ab").find(a[19]) != std::string::npos);
+}
+
+TEST_CASE("grpc: call_with_key retries UNAVAILABLE with the same key and backs off") {
+  Served<> s;
+  const Method charge = s.counted.method;
+  std::vector<std::string> keys;
+  s.counted.method = [&](const ChargeRequest& r, ChargeReply& reply, idem::grpc::Context& c) {
+    keys.push_back(c.id.key);
+    if (s.counted.runs <= 2) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "provider down");
+    return charge(r, reply, c);
+  };
+  std::vector<std::chrono::milliseconds> waits;
+  const idem::grpc::RetryOptions retry{
+      .initial_backoff = 100ms, .sleep = [&](std::chrono::milliseconds w) { waits.push_back(w); }};
+  const std::string key = idem::grpc::new_key();
+  ChargeReply reply;
+  const auto attempt = [&](grpc::ClientContext& context) {
+    context.set_deadline(std::chrono::system_clock::now() + 30s);
+    return s.stub->Charge(&context, order(), &reply);
+  };
+  REQUIRE(idem::grpc::call_with_key(key, attempt, retry).ok());
+  CHECK(reply.charge_id() == "ch_1");
+  CHECK(keys == std::vector<std::string>{key, key, key});
+  CHECK(s.counted.runs == 3);
+  CHECK(s.world.charges() == 1);
+  REQUIRE(waits.size() == 2);  // a jittered, growing backoff
+  CHECK(waits[0] >= 50ms);
+  CHECK(waits[0] <= 100ms);
+  CHECK(waits[1] >= 100ms);
+  CHECK(waits[1] <= 200ms);
+  // The same key again is a replay: nothing runs.
+  ChargeReply again;
+  REQUIRE(
+      idem::grpc::call_with_key(
+          key,
+          [&](grpc::ClientContext& context) { return s.stub->Charge(&context, order(), &again); },
+          retry)
+          .ok());
+  CHECK(again.charge_id() == "ch_1");
+  CHECK(s.counted.runs == 3);
+  // A status that is not retryable is returned at once; max_attempts bounds the rest.
+  s.counted.method = [](const ChargeRequest&, ChargeReply&, idem::grpc::Context&) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "down for good");
+  };
+  waits.clear();
+  CHECK(idem::grpc::call_with_key("other-key", attempt, {.max_attempts = 3, .sleep = retry.sleep})
+            .error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK(waits.size() == 2);
+  CHECK_THROWS_AS(idem::grpc::call_with_key("", attempt), idem::error);
+  CHECK_THROWS_AS(idem::grpc::call_with_key("k", attempt, {.max_attempts = 0}), idem::error);
+}
+
+TEST_CASE(
+    "grpc: call_with_key after a deadline that expired mid-method retries with the same key and "
+    "gets the first run's answer") {
+  Served<> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::wait});
+  std::atomic<bool> go{false};
+  hold_until(s, go);
+  int attempts = 0;
+  ChargeReply reply;
+  const grpc::Status st = idem::grpc::call_with_key(
+      "deadline-1",
+      [&](grpc::ClientContext& context) {
+        ++attempts;  // the first attempt gives up after 200 ms, while the method still runs
+        context.set_deadline(std::chrono::system_clock::now() + (attempts == 1 ? 200ms : 30s));
+        return s.stub->Charge(&context, order(), &reply);
+      },
+      {.sleep = [&](std::chrono::milliseconds) { go = true; }});
+  CHECK(st.ok());
+  CHECK(attempts == 2);
+  CHECK(reply.charge_id() == "ch_1");
+  CHECK(s.counted.runs == 1);
+  CHECK(s.world.charges() == 1);
+}
+
+TEST_CASE(
+    "grpc: gRPC's own retry policy (a service config) resends the key, and the method charges "
+    "once") {
+  Served<> s;
+  const Method charge = s.counted.method;
+  std::vector<std::string> keys;
+  s.counted.method = [&](const ChargeRequest& r, ChargeReply& reply, idem::grpc::Context& c) {
+    keys.push_back(c.id.key);
+    if (s.counted.runs == 1) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "provider down");
+    return charge(r, reply, c);
+  };
+  grpc::ChannelArguments args;
+  args.SetServiceConfigJSON(R"({"methodConfig": [{
+  "name": [{"service": "idemtest.Payments"}],
+  "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.01s", "maxBackoff": "0.1s",
+                  "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"]}}]})");
+  const auto stub = Payments::NewStub(grpc::CreateCustomChannel(
+      fmt::format("127.0.0.1:{}", s.port), grpc::InsecureChannelCredentials(), args));
+  const Answer a = call(*stub, order(), "config-1");  // one call from the application
+  CHECK(a.status.ok());
+  CHECK(a.reply.charge_id() == "ch_1");
+  CHECK(keys == std::vector<std::string>{"config-1", "config-1"});
+  CHECK(s.counted.runs == 2);
+  CHECK(s.world.charges() == 1);
+}
+
+// --- Multi-step methods -----------------------------------------------------------------------
+
+TEST_CASE(
+    "grpc: a multi-step method its server left after the debit is finished by the completer, "
+    "and the client's retry replays it with one charge") {
+  Served<> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::raise, .steps = true});
+  bool server_dies = true;
+  s.counted.method = [&](const ChargeRequest& r, ChargeReply& reply, idem::grpc::Context& c) {
+    REQUIRE(c.attempt != nullptr);
+    const std::string charge_id =
+        c.attempt->external("debited", [&](const std::string& provider_key) {
+          return s.world.provider->charge(r.order_id(), r.amount(), provider_key).charge_id;
+        });
+    if (server_dies) throw std::runtime_error("the server died after the debit");
+    reply.set_charge_id(charge_id);
+    return grpc::Status::OK;
+  };
+  const Answer first = call(*s.stub, order(), "steps-1");
+  CHECK(first.status.error_code() == grpc::StatusCode::UNKNOWN);
+  CHECK(s.world.charges() == 1);
+  server_dies = false;
+
+  idem::Completer completer(*s.world.idem, idem::CompleterOptions{.abandoned_after = 60s});
+  completer.on(kMethod,
+               s.guard.completer(ChargeRequest{}, ChargeReply{},
+                                 [&](const google::protobuf::Message& request,
+                                     google::protobuf::Message& reply, idem::grpc::Context& c) {
+                                   return s.counted.run(static_cast<const ChargeRequest&>(request),
+                                                        static_cast<ChargeReply&>(reply), c);
+                                 }));
+  s.world.clock->advance(120s);  // the lease ended, and the abandoned_after since
+  const idem::CompleterReport report = completer.run_once();
+  CHECK(report.found == 1);
+  CHECK(report.finished == 1);
+  CHECK(s.counted.runs == 2);
+  CHECK(s.world.charges() == 1);  // the debit was recorded: the completer did not charge again
+
+  const Answer retry = call(*s.stub, order(), "steps-1");
+  CHECK(retry.status.ok());
+  CHECK(retry.trailer("idempotent-replayed") == "true");
+  CHECK(retry.reply.charge_id() == "ch_1");
+  CHECK(s.counted.runs == 2);
+  CHECK(s.world.charges() == 1);
+}
+
+TEST_CASE(
+    "grpc: the callback API with an executor runs 20 parallel identical calls off gRPC's "
+    "threads: one charge, every call its reply") {
+  std::mutex m;
+  std::vector<std::thread> tasks;
+  Served<CallbackPayments> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::wait,
+                                                      .executor = [&](std::function<void()> task) {
+                                                        std::lock_guard lock(m);
+                                                        tasks.emplace_back(std::move(task));
+                                                      }});
+  twenty_at_once(s, [&] { return s.world.idem->metrics().waited >= 19; });
+  std::lock_guard lock(m);
+  CHECK(tasks.size() == 20);
+  for (std::thread& t : tasks) t.join();
 }
 
 }  // namespace

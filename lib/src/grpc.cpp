@@ -4,12 +4,18 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 #include <google/protobuf/message.h>
+#include <grpcpp/client_context.h>
 #include <grpcpp/server_context.h>
 #include <grpcpp/support/server_callback.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cstdint>
 #include <exception>
+#include <random>
+#include <stdexcept>
+#include <thread>
 #include <utility>
 
 #include "core.hpp"
@@ -344,8 +350,93 @@ Status Guard::unary(::grpc::ServerContext& context, std::string_view method,
                                          const google::protobuf::Message& request,
                                          google::protobuf::Message& reply, const Body& body) {
   ::grpc::ServerUnaryReactor* reactor = context.DefaultReactor();
-  reactor->Finish(impl_->serve(context, method, request, reply, body));
+  if (!impl_->o.executor) {
+    reactor->Finish(impl_->serve(context, method, request, reply, body));
+    return reactor;
+  }
+  // gRPC keeps the context, the request and the reply until the reactor is finished.
+  impl_->o.executor(
+      [this, &context, reactor, method = std::string(method), &request, &reply, body] {
+        reactor->Finish(impl_->serve(context, method, request, reply, body));
+      });
   return reactor;
+}
+
+Completer::Resume Guard::completer(const google::protobuf::Message& request_type,
+                                   const google::protobuf::Message& reply_type,
+                                   ResumeBody body) const {
+  detail::check(static_cast<bool>(body), "grpc guard: completer needs a body");
+  detail::check(impl_->o.steps, "grpc guard: completer needs GuardOptions::steps");
+  std::shared_ptr<const google::protobuf::Message> request_proto(request_type.New());
+  std::shared_ptr<const google::protobuf::Message> reply_proto(reply_type.New());
+  const Impl* impl = impl_.get();
+  return [impl, request_proto, reply_proto, body = std::move(body)](Attempt& attempt) {
+    std::unique_ptr<google::protobuf::Message> request(request_proto->New());
+    std::unique_ptr<google::protobuf::Message> reply(reply_proto->New());
+    if (!request->ParseFromString(attempt.request())) {
+      throw std::runtime_error(fmt::format("grpc guard: the stored request does not parse as {}",
+                                           request->GetTypeName()));
+    }
+    Context c{attempt.id(), &attempt, {}};
+    const Status s = body(*request, *reply, c);
+    if (!(impl->o.store ? impl->o.store(s.error_code()) : is_outcome(s.error_code()))) {
+      throw std::runtime_error(fmt::format(
+          "grpc guard: the resumed method answered {} ({}), not an outcome; its progress is kept",
+          static_cast<int>(s.error_code()), s.error_message()));
+    }
+    return impl->stored_form(s, *reply, c.trailers);
+  };
+}
+
+std::string new_key() {
+  std::random_device random;
+  std::array<std::uint32_t, 4> w{random(), random(), random(), random()};
+  w[1] = (w[1] & 0xffff0fffu) | 0x00004000u;  // version 4
+  w[2] = (w[2] & 0x3fffffffu) | 0x80000000u;  // variant 1 (RFC 4122)
+  return fmt::format("{:08x}-{:04x}-{:04x}-{:04x}-{:04x}{:08x}", w[0], w[1] >> 16, w[1] & 0xffffu,
+                     w[2] >> 16, w[2] & 0xffffu, w[3]);
+}
+
+Status call_with_key(std::string_view key, const ClientAttempt& attempt,
+                     const RetryOptions& options) {
+  const auto check = [](bool ok, std::string_view what) {
+    detail::check(ok, fmt::format("grpc call_with_key: {}", what));
+  };
+  check(!key.empty(), "the key is empty");
+  check(!options.key_metadata.empty(), "key_metadata is empty");
+  check(options.max_attempts >= 1, "max_attempts is below 1");
+  check(options.initial_backoff.count() >= 0 && options.max_backoff.count() >= 0,
+        "a backoff is negative");
+  check(options.multiplier >= 1, "multiplier is below 1");
+  check(static_cast<bool>(attempt), "no attempt");
+  std::mt19937_64 jitter{std::random_device{}()};
+  double backoff_ms = static_cast<double>(options.initial_backoff.count());
+  for (int n = 1;; ++n) {
+    ::grpc::ClientContext context;
+    context.AddMetadata(options.key_metadata, std::string(key));
+    const Status s = attempt(context);
+    const bool retryable = s.error_code() == StatusCode::UNAVAILABLE ||
+                           s.error_code() == StatusCode::DEADLINE_EXCEEDED ||
+                           s.error_code() == StatusCode::ABORTED;
+    if (!retryable || n >= options.max_attempts) return s;
+    const double cap = std::min(backoff_ms, static_cast<double>(options.max_backoff.count()));
+    auto wait = std::chrono::milliseconds(
+        static_cast<long long>(std::uniform_real_distribution<double>(cap / 2, cap)(jitter)));
+    const auto& trailers = context.GetServerTrailingMetadata();
+    if (const auto it = trailers.find(std::string(kRetryAfter)); it != trailers.end()) {
+      try {
+        wait = std::max(wait, std::chrono::milliseconds(std::stoll(std::string(sv(it->second)))));
+      } catch (const std::exception&) {
+        // a malformed retry-after is ignored: the backoff stands
+      }
+    }
+    if (options.sleep) {
+      options.sleep(wait);
+    } else {
+      std::this_thread::sleep_for(wait);
+    }
+    backoff_ms *= options.multiplier;
+  }
 }
 
 }  // namespace idem::grpc

@@ -49,6 +49,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -60,6 +61,7 @@
 #include "idem/steps.hpp"
 
 namespace grpc {
+class ClientContext;
 class ServerContextBase;
 class ServerContext;
 class CallbackServerContext;
@@ -109,8 +111,14 @@ struct GuardOptions {
   // Per-guard override of Options::in_flight (wait or raise).
   std::optional<InFlight> in_flight{};
   // Runs guarded methods as multi-step operations (Coordinator::call_steps): Context::attempt
-  // is set, and the request's serialization is stored on the record (Attempt::request()).
+  // is set, and the request's serialization is stored on the record (Attempt::request()), for
+  // Guard::completer to finish an operation its server left.
   bool steps = false;
+  // The callback API only: where the guarded call runs. Given, the callback method returns at
+  // once and the call (the store's work, a duplicate's wait, the body) runs in a task passed
+  // to it, which finishes the reactor; gRPC's callback threads are never held. Default: on
+  // the callback thread itself.
+  std::function<void(std::function<void()> task)> executor{};
 };
 
 // Whether `code` is an outcome (stored and replayed) by default: OK and the business errors
@@ -145,15 +153,63 @@ class Guard {
                        const Body& body);
 
   // A method of the callback API: the same, finishing the context's default reactor, which it
-  // returns. The body runs on the calling (callback) thread, and a duplicate that waits holds
-  // that thread for its wait (bounded by the client's deadline and Options::max_wait).
+  // returns. Without GuardOptions::executor the call runs on the calling (callback) thread, and
+  // a duplicate that waits holds that thread for its wait (bounded by the client's deadline
+  // and Options::max_wait); with one, it runs there after the method returned: `body` is
+  // copied into the task, so it must capture by value (the request and reply pointers, not
+  // references to the method's parameters).
   ::grpc::ServerUnaryReactor* unary(::grpc::CallbackServerContext& context, std::string_view method,
                                     const google::protobuf::Message& request,
                                     google::protobuf::Message& reply, const Body& body);
+
+  // The completer's handler for a multi-step method (GuardOptions::steps) whose server died
+  // mid-call: give it to MaintenanceThread::resume (or Completer::on) under the method's full
+  // name. It parses the stored request into a fresh copy of `request_type`, runs `body` with a
+  // fresh `reply_type` (Context::attempt set, the client long gone) and keeps its answer as
+  // unary() would, for the client's retry to replay. A status that is not an outcome, a body
+  // that throws, or a stored request that does not parse throws std::runtime_error: the
+  // completer counts a failure, the progress is kept, and the next pass or the client's retry
+  // resumes it.
+  using ResumeBody =
+      std::function<::grpc::Status(const google::protobuf::Message& request,
+                                   google::protobuf::Message& reply, Context& context)>;
+  Completer::Resume completer(const google::protobuf::Message& request_type,
+                              const google::protobuf::Message& reply_type, ResumeBody body) const;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// --- The client side ------------------------------------------------------------------------
+
+// A fresh idempotency key: a random UUID (version 4) from std::random_device. Make one per
+// operation, before its first attempt, and send it unchanged with every retry.
+std::string new_key();
+
+struct RetryOptions {
+  std::string key_metadata = "idempotency-key";  // as GuardOptions::key_metadata
+  int max_attempts = 5;                          // the first attempt included
+  std::chrono::milliseconds initial_backoff{100};
+  std::chrono::milliseconds max_backoff{2000};
+  double multiplier = 2;
+  // How the helper waits before a retry. Default: std::this_thread::sleep_for.
+  std::function<void(std::chrono::milliseconds)> sleep{};
+};
+
+// One attempt of a call: makes it on `context` (a fresh one per attempt, the key already in
+// its metadata; set its deadline here) and returns its status.
+using ClientAttempt = std::function<::grpc::Status(::grpc::ClientContext& context)>;
+
+// Calls `attempt` with `key` in the metadata, and again with the same key after UNAVAILABLE,
+// DEADLINE_EXCEEDED or ABORTED: after those a retry with the same key is safe (the guard
+// replays the first call's answer, waits for it or runs the method once) and may succeed.
+// Before retry n it waits a backoff drawn between half and all of initial_backoff *
+// multiplier^(n-1), at most max_backoff, and at least the server's "retry-after-ms". Any other
+// status, or the last attempt's, is returned. Throws idem::error(errc::invalid_argument) for
+// an empty key or key_metadata, max_attempts below 1, a negative backoff or a multiplier
+// below 1; the attempt's own exceptions pass through.
+::grpc::Status call_with_key(std::string_view key, const ClientAttempt& attempt,
+                             const RetryOptions& options = {});
 
 }  // namespace idem::grpc
