@@ -559,13 +559,12 @@ TEST_CASE(
   server_dies = false;
 
   idem::Completer completer(*s.world.idem, idem::CompleterOptions{.abandoned_after = 60s});
-  completer.on(kMethod,
-               s.guard.completer(ChargeRequest{}, ChargeReply{},
-                                 [&](const google::protobuf::Message& request,
-                                     google::protobuf::Message& reply, idem::grpc::Context& c) {
-                                   return s.counted.run(static_cast<const ChargeRequest&>(request),
-                                                        static_cast<ChargeReply&>(reply), c);
-                                 }));
+  completer.on(kMethod, [&](idem::Attempt& attempt) {
+    ChargeRequest request;
+    ChargeReply reply;
+    return s.guard.resume(attempt, request, reply,
+                          [&](idem::grpc::Context& c) { return s.counted.run(request, reply, c); });
+  });
   s.world.clock->advance(120s);  // the lease ended, and the abandoned_after since
   const idem::CompleterReport report = completer.run_once();
   CHECK(report.found == 1);

@@ -137,6 +137,8 @@ struct Guard::Impl {
   Coordinator& coordinator;
   const GuardOptions o;
 
+  bool outcome(StatusCode code) const { return o.store ? o.store(code) : is_outcome(code); }
+
   // The key of the call: from the request's field, else the metadata. An answer when there is
   // none (and one is required) or it is malformed.
   struct Key {
@@ -241,7 +243,7 @@ struct Guard::Impl {
       }
       ran = s;
       call.trailers = c.trailers;
-      if (!(o.store ? o.store(s.error_code()) : is_outcome(s.error_code()))) throw Unstored{};
+      if (!outcome(s.error_code())) throw Unstored{};
       return stored_form(s, reply, c.trailers);
     };
     std::optional<Outcome> out;
@@ -362,30 +364,21 @@ Status Guard::unary(::grpc::ServerContext& context, std::string_view method,
   return reactor;
 }
 
-Completer::Resume Guard::completer(const google::protobuf::Message& request_type,
-                                   const google::protobuf::Message& reply_type,
-                                   ResumeBody body) const {
-  detail::check(static_cast<bool>(body), "grpc guard: completer needs a body");
-  detail::check(impl_->o.steps, "grpc guard: completer needs GuardOptions::steps");
-  std::shared_ptr<const google::protobuf::Message> request_proto(request_type.New());
-  std::shared_ptr<const google::protobuf::Message> reply_proto(reply_type.New());
-  const Impl* impl = impl_.get();
-  return [impl, request_proto, reply_proto, body = std::move(body)](Attempt& attempt) {
-    std::unique_ptr<google::protobuf::Message> request(request_proto->New());
-    std::unique_ptr<google::protobuf::Message> reply(reply_proto->New());
-    if (!request->ParseFromString(attempt.request())) {
-      throw std::runtime_error(fmt::format("grpc guard: the stored request does not parse as {}",
-                                           request->GetTypeName()));
-    }
-    Context c{attempt.id(), &attempt, {}};
-    const Status s = body(*request, *reply, c);
-    if (!(impl->o.store ? impl->o.store(s.error_code()) : is_outcome(s.error_code()))) {
-      throw std::runtime_error(fmt::format(
-          "grpc guard: the resumed method answered {} ({}), not an outcome; its progress is kept",
-          static_cast<int>(s.error_code()), s.error_message()));
-    }
-    return impl->stored_form(s, *reply, c.trailers);
-  };
+Response Guard::resume(Attempt& attempt, google::protobuf::Message& request,
+                       google::protobuf::Message& reply, const Body& body) const {
+  detail::check(impl_->o.steps, "grpc guard: resume() needs GuardOptions::steps");
+  if (!request.ParseFromString(attempt.request())) {
+    throw std::runtime_error(
+        fmt::format("grpc guard: the stored request does not parse as {}", request.GetTypeName()));
+  }
+  Context c{attempt.id(), &attempt, {}};
+  const Status s = body(c);
+  if (!impl_->outcome(s.error_code())) {
+    throw std::runtime_error(fmt::format(
+        "grpc guard: the resumed method answered {} ({}), not an outcome; its progress is kept",
+        static_cast<int>(s.error_code()), s.error_message()));
+  }
+  return impl_->stored_form(s, reply, c.trailers);
 }
 
 std::string new_key() {

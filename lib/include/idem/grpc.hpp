@@ -162,19 +162,15 @@ class Guard {
                                     const google::protobuf::Message& request,
                                     google::protobuf::Message& reply, const Body& body);
 
-  // The completer's handler for a multi-step method (GuardOptions::steps) whose server died
-  // mid-call: give it to MaintenanceThread::resume (or Completer::on) under the method's full
-  // name. It parses the stored request into a fresh copy of `request_type`, runs `body` with a
-  // fresh `reply_type` (Context::attempt set, the client long gone) and keeps its answer as
-  // unary() would, for the client's retry to replay. A status that is not an outcome, a body
-  // that throws, or a stored request that does not parse throws std::runtime_error: the
-  // completer counts a failure, the progress is kept, and the next pass or the client's retry
-  // resumes it.
-  using ResumeBody =
-      std::function<::grpc::Status(const google::protobuf::Message& request,
-                                   google::protobuf::Message& reply, Context& context)>;
-  Completer::Resume completer(const google::protobuf::Message& request_type,
-                              const google::protobuf::Message& reply_type, ResumeBody body) const;
+  // For the completer (MaintenanceThread::resume, Completer::on, under the method's full
+  // name) of a multi-step method (GuardOptions::steps) whose server left it: parses the
+  // request stored on the record into `request`, runs `body` (Context::attempt set; it fills
+  // `reply`) and returns its answer in the form unary() stores, for the client's retry to
+  // replay. Throws std::runtime_error if the stored request does not parse or the status is
+  // not an outcome (the completer counts a failure; the progress stays for the next pass or
+  // the retry), and whatever `body` throws.
+  Response resume(Attempt& attempt, google::protobuf::Message& request,
+                  google::protobuf::Message& reply, const Body& body) const;
 
  private:
   struct Impl;
