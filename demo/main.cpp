@@ -8,6 +8,9 @@
 #include "migrate.hpp"
 #include "scenarios.hpp"
 #include "server/server.hpp"
+#ifdef IDEM_DEMO_GRPC
+#include "grpc_demo.hpp"
+#endif
 
 namespace {
 
@@ -252,6 +255,59 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
 
+#ifdef IDEM_DEMO_GRPC
+  idem::demo::GrpcServeArgs gs;
+  std::string grpc_dedup = "on";
+  CLI::App* grpc_serve = app.add_subcommand(
+      "grpc-serve", "Serve the payments service of demo/grpc/payments.proto over gRPC");
+  grpc_serve->add_option("--port", gs.port, "TCP port (0: any free port)")->capture_default_str();
+  grpc_serve->add_option("--host", gs.host, "Address to bind")->capture_default_str();
+  add_database(grpc_serve, gs.db, "Idempotency keys, orders and outbox");
+  grpc_serve->add_option("--ledger", gs.ledger,
+                         "Provider ledger and mail journal (SQLite file; default: in memory)");
+  grpc_serve->add_option("--policy", gs.policy, "In-flight policy")
+      ->check(CLI::IsMember({"wait", "raise"}))
+      ->capture_default_str();
+  grpc_serve->add_option("--provider-latency-ms", gs.provider_latency_ms, "Provider latency")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  grpc_serve->add_option("--provider-dedup", grpc_dedup, "Provider deduplicates on the derived key")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  grpc_serve
+      ->add_option("--lease-ms", gs.lease_ms,
+                   "How long a server that died mid-call keeps its keys from the others")
+      ->check(CLI::Range(30LL, 3600LL * 1000))
+      ->capture_default_str();
+  grpc_serve->add_flag("--fail-closed", gs.fail_closed,
+                       "Answer UNAVAILABLE instead of running when the store fails");
+
+  idem::demo::GrpcCallArgs gc;
+  CLI::App* grpc_call = app.add_subcommand(
+      "grpc-call", "Call a grpc-serve once, with an idempotency key and retries that keep it");
+  grpc_call->add_option("--target", gc.target, "host:port of the server")->required();
+  grpc_call->add_option("--method", gc.method, "Which method")
+      ->check(CLI::IsMember({"charge", "checkout"}))
+      ->capture_default_str();
+  grpc_call->add_option("--key", gc.key, "Idempotency key (default: a fresh UUID)");
+  grpc_call->add_option("--api-key", gc.api_key, "API key (names the tenant)")
+      ->capture_default_str();
+  grpc_call->add_option("--amount", gc.amount, "Amount (minor units)")->capture_default_str();
+  grpc_call->add_option("--currency", gc.currency, "Currency")->capture_default_str();
+  grpc_call->add_option("--order-id", gc.order_id, "Order id")->capture_default_str();
+  grpc_call->add_option("--attempts", gc.attempts, "The call and its retries with the same key")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  grpc_call->add_option("--deadline-ms", gc.deadline_ms, "Each attempt's deadline")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  grpc_call
+      ->add_option("--parallel", gc.parallel,
+                   "Make this many identical calls at once, with the same key (the article's 20)")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+#endif
+
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -260,6 +316,13 @@ int main(int argc, char** argv) {
       return idem::demo::run_charge(c);
     }
     if (simulate->parsed()) return idem::demo::run_simulate(sim);
+#ifdef IDEM_DEMO_GRPC
+    if (grpc_serve->parsed()) {
+      gs.provider_dedup = grpc_dedup == "on";
+      return idem::demo::run_grpc_serve(gs);
+    }
+    if (grpc_call->parsed()) return idem::demo::run_grpc_call(gc);
+#endif
     if (ledger_cmd->parsed()) return idem::demo::run_ledger(ledger);
     if (migrate_cmd->parsed()) return idem::demo::run_migrate(migrate_args);
     if (checkout_cmd->parsed()) {
