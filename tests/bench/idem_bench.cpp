@@ -2,10 +2,12 @@
 // section, a bare PostgreSQL one) in the same run.
 //
 //   idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...] [--pg CONNINFO]
-//       sections: calls,sweep,processes,handoff,growth,purge,maintenance,bytes,http,pg
+//       sections: calls,sweep,processes,handoff,growth,purge,maintenance,bytes,http,pg,grpc
 //       pg: idem over PgStore against libpq floors on the server CONNINFO names (skipped
 //       without --pg; scripts/bench starts a durable throwaway one); it also runs the SQLite
 //       replay cache's ratio, which calls runs too
+//       grpc: idem::grpc's guard on loopback gRPC against the same service unguarded (only in
+//       a build with gRPC, IDEM_GRPC; skipped in a full run without it, an error when named)
 //   idem_bench --child ...                     one process of a multi-process scenario
 //   idem_bench --pg-waiter ...                 the other node of the pg section's hand-off
 //   idem_bench --chart RESULTS.json OUT.svg    the README's chart from a --json run
@@ -37,6 +39,7 @@
 #include "bench.hpp"
 #include "calls.hpp"
 #include "floor_sql.hpp"
+#include "grpc_bench.hpp"
 #include "http_bench.hpp"
 #include "idem/asio.hpp"
 #include "idem/coordinator.hpp"
@@ -1060,6 +1063,21 @@ int run_all(const Config& c) {
     }
   }
 
+  // 12. gRPC: the guard on loopback gRPC, with it and without, in the same run. Last, so that
+  // gRPC's threads, which outlive its servers, never run beside another section.
+  if (c.wants("grpc")) {
+#ifdef IDEM_BENCH_GRPC
+    try {
+      o.update(run_grpc(c.quick, c.dir, report.human ? &std::cout : nullptr));
+    } catch (const std::exception& e) {
+      std::cerr << "idem_bench: " << e.what() << '\n';
+      return 1;
+    }
+#else
+    std::cerr << "idem_bench: grpc section skipped: this build has no gRPC (IDEM_GRPC off)\n";
+#endif
+  }
+
   if (c.json_out) std::cout << o.dump(2) << '\n';
   return 0;
 }
@@ -1099,10 +1117,19 @@ int main(int argc, char** argv) {
       std::cerr << "usage: idem_bench [--quick] [--json] [--dir DIR] [--only SECTION,...] "
                    "[--pg CONNINFO]\n"
                    "sections: calls sweep processes handoff growth purge maintenance bytes http "
-                   "pg\n";
+                   "pg grpc\n";
       return 2;
     }
   }
+#ifndef IDEM_BENCH_GRPC
+  // Asked for by name, the section's absence is an error, told before any other section runs.
+  if (std::find(c.only.begin(), c.only.end(), "grpc") != c.only.end()) {
+    std::cerr << "idem_bench: the grpc section is not built: this build has no gRPC (configure "
+                 "with -DIDEM_GRPC=ON; needs libgrpc++-dev, libprotobuf-dev, "
+                 "protobuf-compiler-grpc)\n";
+    return 2;
+  }
+#endif
   std::filesystem::create_directories(c.dir);
   const int rc = idem::bench::run_all(c);
   std::filesystem::remove_all(c.dir);
