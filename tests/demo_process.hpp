@@ -17,6 +17,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "test_support.hpp"
@@ -26,9 +27,8 @@ extern char** environ;
 namespace idem::test {
 
 #ifdef IDEM_DEMO  // the idem-demo binary: whole-suite builds only (tests/CMakeLists.txt)
-// Runs idem-demo with `args`; returns its exit status and its stdout.
-inline int run_demo(const TempDir& dir, std::vector<std::string> args, std::string& out) {
-  const std::string out_file = dir.file("demo.out");
+// Starts idem-demo with `args` in the background, its stdout into `out_file`; returns its pid.
+inline pid_t start_demo(std::vector<std::string> args, const std::string& out_file) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, 1, out_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
@@ -40,6 +40,13 @@ inline int run_demo(const TempDir& dir, std::vector<std::string> args, std::stri
   pid_t pid = 0;
   REQUIRE(posix_spawn(&pid, IDEM_DEMO, &actions, nullptr, argv.data(), environ) == 0);
   posix_spawn_file_actions_destroy(&actions);
+  return pid;
+}
+
+// Runs idem-demo with `args`; returns its exit status and its stdout.
+inline int run_demo(const TempDir& dir, std::vector<std::string> args, std::string& out) {
+  const std::string out_file = dir.file("demo.out");
+  const pid_t pid = start_demo(std::move(args), out_file);
   int status = 0;
   REQUIRE(waitpid(pid, &status, 0) == pid);
   std::ifstream in(out_file);

@@ -41,22 +41,6 @@ std::vector<json> lines_of(const std::string& out) {
   return lines;
 }
 
-// `idem-demo ARGS` started in the background, its stdout into `out_file`.
-pid_t start_demo(std::vector<std::string> args, const std::string& out_file) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, out_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  args.insert(args.begin(), IDEM_DEMO);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  REQUIRE(posix_spawn(&pid, IDEM_DEMO, &actions, nullptr, argv.data(), environ) == 0);
-  posix_spawn_file_actions_destroy(&actions);
-  return pid;
-}
-
 }  // namespace
 
 TEST_CASE("grpc demo: 20 parallel identical grpc-call calls to grpc-serve charge once") {
@@ -110,7 +94,7 @@ TEST_CASE(
   // The first server takes the call and begins the debit (the provider answers in 1.5 s).
   std::vector<std::string> to_doomed = call;
   to_doomed.insert(to_doomed.end(), {"--target", target(doomed)});
-  const pid_t client = start_demo(to_doomed, dir.file("first.out"));
+  const pid_t client = idem::test::start_demo(to_doomed, dir.file("first.out"));
   REQUIRE(idem::test::eventually([&] {
     return idem::test::pg_text(
                uri, "SELECT coalesce(progress, '') FROM idem.idem_keys WHERE key = 'kill-1'")

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <nlohmann/json.hpp>
+#include <utility>
 #include <vector>
 
 namespace idem::bench {
@@ -43,6 +44,23 @@ inline Stats summarize(std::vector<double> latencies_us, double seconds) {
   s.p99_us = at(0.99);
   s.max_us = latencies_us.back();
   return s;
+}
+
+// One client lane's answers (a connection, a thread): each latency, and when its last came.
+struct Lane {
+  std::vector<double> latencies_us;
+  Clock::time_point ended;
+};
+
+// Every lane's latencies, over the time from `t0` to the last lane's last answer.
+inline Stats collect(const std::vector<Lane>& lanes, Clock::time_point t0) {
+  std::vector<double> all;
+  Clock::time_point end = t0;
+  for (const Lane& l : lanes) {
+    all.insert(all.end(), l.latencies_us.begin(), l.latencies_us.end());
+    end = std::max(end, l.ended);
+  }
+  return summarize(std::move(all), std::chrono::duration<double>(end - t0).count());
 }
 
 }  // namespace idem::bench

@@ -172,12 +172,6 @@ void expect_ran(const Loopback& s, std::uint64_t before, std::uint64_t expected,
   }
 }
 
-// One client thread's share of a run.
-struct Lane {
-  std::vector<double> latencies_us;
-  Clock::time_point ended;
-};
-
 // `calls` blocking calls shared by `width` threads on the server's one channel, call i with
 // the key key_at(i), every answer checked by `check`. The threads start together once all
 // exist; the first wrong answer stops them all and is thrown once they have stopped.
@@ -217,13 +211,7 @@ Stats drive(Loopback& s, std::size_t width, std::size_t calls,
   start.count_down();
   for (std::thread& t : threads) t.join();
   if (failed) std::rethrow_exception(failed);
-  std::vector<double> all;
-  Clock::time_point end = t0;
-  for (const Lane& l : lanes) {
-    all.insert(all.end(), l.latencies_us.begin(), l.latencies_us.end());
-    end = std::max(end, l.ended);
-  }
-  return summarize(std::move(all), std::chrono::duration<double>(end - t0).count());
+  return collect(lanes, t0);
 }
 
 // Every call a new key: the body runs every time (with the guard: reserve, run, store).

@@ -211,12 +211,6 @@ Check conflicted(const std::string& phase) {
   };
 }
 
-// One connection's share of a measurement.
-struct Lane {
-  std::vector<double> latencies_us;
-  Clock::time_point ended;
-};
-
 // Requests back to back on one connection until `deadline`, every answer checked.
 net::awaitable<void> drive(Conn& c, std::function<HttpReq(std::size_t)> next, Check check,
                            Clock::time_point deadline, Lane& lane) {
@@ -228,17 +222,6 @@ net::awaitable<void> drive(Conn& c, std::function<HttpReq(std::size_t)> next, Ch
     check(res);
   }
   lane.ended = Clock::now();
-}
-
-// Every lane's latencies, over the time from `t0` to the last lane's last answer.
-Stats collect(const std::vector<Lane>& lanes, Clock::time_point t0) {
-  std::vector<double> all;
-  Clock::time_point end = t0;
-  for (const Lane& l : lanes) {
-    all.insert(all.end(), l.latencies_us.begin(), l.latencies_us.end());
-    end = std::max(end, l.ended);
-  }
-  return summarize(std::move(all), std::chrono::duration<double>(end - t0).count());
 }
 
 // Every request a new key: the handler runs every time (with the layer: reserve, run, store).
