@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "http_client.hpp"
+#include "prometheus_check.hpp"
 #include "serve_support.hpp"
 
 using namespace std::chrono_literals;
@@ -416,6 +417,55 @@ TEST_CASE(
   CHECK(counter(s.port) == 2);
   ::kill(s.pid, SIGTERM);
   CHECK(s.wait(20s) == 0);
+}
+
+TEST_CASE(
+    "conformance fixture: GET /metrics holds a latency histogram per outcome, read by "
+    "Prometheus's text parser with buckets, sum and count that agree") {
+  using idem::test::histogram_count;
+  // Under wait: executed, replayed, a reuse, a 500 that releases its key, and a duplicate that
+  // waits for its first and replays it.
+  Fixture f({.max_wait = 30s}, idem::InFlight::wait);
+  HttpClient c(f.port());
+  for (const char* k : {"m1", "m2", "m3"})
+    CHECK(c.send("POST", "/resources", key(k), "x").status == 201);
+  for (int i = 0; i < 2; ++i)
+    CHECK(c.send("POST", "/resources", key("m1"), "x").headers.at("idempotent-replayed") == "true");
+  CHECK(c.send("POST", "/resources", key("m1"), "other").status == 422);
+  CHECK(c.send("POST", "/resources", key("m5", {{"X-Fixture-Status", "500"}}), "x").status == 500);
+  HttpClient holder(f.port());
+  holder.write_only("POST", "/resources", key("mw", {{"X-Fixture-Delay-Ms", "1500"}}), "x");
+  REQUIRE(idem::test::eventually([&] { return f.ran() == 5; }));
+  const HttpReply waited = c.send("POST", "/resources", key("mw"), "x");  // waits, then replays
+  CHECK(waited.headers.at("idempotent-replayed") == "true");
+  CHECK(holder.receive().status == 201);
+  CHECK(f.ran() == 5);  // m1, m2, m3, m5, mw: once each
+  const nlohmann::json parsed = idem::test::prometheus_parsed(c.send("GET", "/metrics").body);
+  const std::map<std::string, double> expected = {
+      {"executed", 4}, {"replayed", 3},    {"conflict", 0}, {"reuse", 1},
+      {"released", 1}, {"failed_open", 0}, {"no_key", 0},   {"error", 0}};
+  for (const auto& [outcome, n] : expected) {
+    CAPTURE(outcome);
+    CHECK(histogram_count(parsed, "idem_call_duration_seconds", "outcome=" + outcome) == n);
+  }
+  CHECK(histogram_count(parsed, "idem_wait_duration_seconds") == 1);
+  CHECK(histogram_count(parsed, "idem_store_duration_seconds", "operation=apply") ==
+        histogram_count(parsed, "idem_commit_batch_size"));
+  CHECK(histogram_count(parsed, "idem_store_duration_seconds", "operation=apply") > 0);
+
+  // Under raise: a duplicate while its first runs is a conflict.
+  Fixture raising;
+  HttpClient first(raising.port());
+  first.write_only("POST", "/resources", key("c1", {{"X-Fixture-Delay-Ms", "1000"}}), "x");
+  REQUIRE(idem::test::eventually([&] { return raising.ran() == 1; }));
+  HttpClient dup(raising.port());
+  CHECK(dup.send("POST", "/resources", key("c1"), "x").status == 409);
+  CHECK(first.receive().status == 201);
+  CHECK(raising.ran() == 1);
+  const nlohmann::json busy = idem::test::prometheus_parsed(dup.send("GET", "/metrics").body);
+  CHECK(histogram_count(busy, "idem_call_duration_seconds", "outcome=conflict") == 1);
+  CHECK(histogram_count(busy, "idem_call_duration_seconds", "outcome=executed") == 1);
+  CHECK(histogram_count(busy, "idem_wait_duration_seconds") == 0);
 }
 
 TEST_CASE("conformance fixture: --max-wait-ms bounds a duplicate's wait under --policy wait") {

@@ -18,6 +18,7 @@
 #include "idem/http.hpp"
 #include "idem/store_wrapper.hpp"
 #include "idem/typed.hpp"
+#include "prometheus_check.hpp"
 #include "test_support.hpp"
 
 using namespace std::chrono_literals;
@@ -661,6 +662,71 @@ TEST_CASE("coordinator: metrics are a snapshot and export as Prometheus text") {
   const std::string text = m.to_prometheus();
   CHECK(text.find("idem_replayed_total 1\n") != std::string::npos);
   CHECK(text.find("# TYPE idem_store_errors_total counter\n") != std::string::npos);
+}
+
+TEST_CASE(
+    "coordinator: latency histograms count every call by how it ended, and Prometheus's parser "
+    "reads them with consistent buckets, sum and count") {
+  World w = blocking_world({.on_store_failure = idem::FailureMode::fail_open,
+                            .missing_key = idem::MissingKey::run_unprotected});
+  for (const char* k : {"h1", "h2", "h3"}) w.idem->call(request(k), w.charge_action(0ms));
+  w.idem->call(request("h1"), w.charge_action(0ms));  // replayed
+  w.idem->call(request("h1"), w.charge_action(0ms));  // replayed
+  CHECK_THROWS_AS(w.idem->call(request("h1", 5), w.charge_action(0ms)), idem::KeyReuseError);
+  w.idem->call(request("h4"), [&] {  // executed, with a duplicate refused inside it
+    idem::Request dup = request("h4");
+    dup.in_flight = InFlight::raise;
+    CHECK_THROWS_AS(w.idem->call(dup, w.charge_action(0ms)), idem::InProgressError);
+    return w.charge_action(0ms)();
+  });
+  w.provider->inject(idem::sim::Fault::timeout);  // the action fails: released
+  CHECK_THROWS_AS(w.idem->call(request("h5"), w.charge_action(0ms)), idem::sim::ProviderTimeout);
+  idem::Request keyless = request("");
+  keyless.key.reset();
+  w.idem->call(keyless, w.charge_action(0ms));  // no key: run unprotected
+  w.faulty->set_unreachable(true);
+  w.idem->call(request("h6"), w.charge_action(0ms));  // fail_open
+  w.faulty->set_unreachable(false);
+  CHECK(w.charges() == 4 + 1 + 1);  // h1..h4, the one without a key, h6 run unprotected
+
+  const idem::MetricsSnapshot m = w.idem->metrics();
+  const std::map<std::string, std::uint64_t> expected = {
+      {"executed", 4}, {"replayed", 2},    {"conflict", 1}, {"reuse", 1},
+      {"released", 1}, {"failed_open", 1}, {"no_key", 1},   {"error", 0}};
+  REQUIRE(m.call_duration.size() == expected.size());
+  for (const auto& [outcome, n] : expected) {
+    CAPTURE(outcome);
+    const idem::HistogramSnapshot& h = m.call_duration.at(outcome);
+    CHECK(h.count == n);
+    CHECK(h.buckets.size() == h.bounds.size() + 1);
+    CHECK(std::is_sorted(h.bounds.begin(), h.bounds.end()));
+    CHECK(h.sum >= 0);
+  }
+  CHECK(m.wait_duration.count == 0);
+  // Every write went through a group-commit round: as many rounds timed as batches sized, and
+  // no round without a write.
+  const idem::HistogramSnapshot& apply = m.store_duration.at("apply");
+  CHECK(apply.count > 0);
+  CHECK(m.commit_batch_size.count == apply.count);
+  CHECK(m.commit_batch_size.sum >= static_cast<double>(apply.count));
+  CHECK(m.store_duration.at("load").count > 0);  // at least the look after the reuse
+
+  const nlohmann::json parsed = idem::test::prometheus_parsed(m.to_prometheus());
+  for (const auto& [outcome, n] : expected) {
+    CAPTURE(outcome);
+    CHECK(idem::test::histogram_count(parsed, "idem_call_duration_seconds", "outcome=" + outcome) ==
+          static_cast<double>(n));
+  }
+  CHECK(idem::test::histogram_count(parsed, "idem_wait_duration_seconds") == 0);
+  for (const char* op : {"load", "apply", "renew", "purge", "reap"}) {
+    CAPTURE(op);
+    CHECK(idem::test::histogram_count(parsed, "idem_store_duration_seconds",
+                                      std::string("operation=") + op) ==
+          static_cast<double>(m.store_duration.at(op).count));
+  }
+  CHECK(idem::test::histogram_count(parsed, "idem_commit_batch_size") ==
+        static_cast<double>(apply.count));
+  CHECK(parsed.at("counters").at("idem_replayed_total") == 2);
 }
 
 namespace {

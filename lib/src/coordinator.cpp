@@ -73,7 +73,7 @@ CoordinatorCore::CoordinatorCore(std::shared_ptr<Store> s, Options o)
       options(std::move(o)),
       clock(options.clock ? options.clock : std::make_shared<SystemClock>()),
       changes(*store, inflight),
-      commits(*store, clock.get()),
+      commits(*store, clock.get(), &latency),
       claims_(std::random_device{}() * 0x100000001ULL + std::random_device{}()) {}
 
 std::int64_t CoordinatorCore::new_claim() {
@@ -216,7 +216,8 @@ std::size_t Coordinator::purge_expired(std::size_t batch) {
   detail::CoordinatorCore& core = *core_;
   std::size_t total = 0;
   for (;;) {
-    const std::size_t n = core.store->purge_expired(core.now(), batch);
+    const std::size_t n = core.latency.time(
+        detail::StoreCall::purge, [&] { return core.store->purge_expired(core.now(), batch); });
     total += n;
     detail::bump(core.counters.purged, n);
     if (n < batch) return total;
@@ -228,7 +229,9 @@ std::vector<ReapedRecord> Coordinator::reap(std::size_t batch) {
   detail::CoordinatorCore& core = *core_;
   std::vector<ReapedRecord> all;
   for (;;) {
-    std::vector<ReapedRecord> got = core.store->reap(core.now() - core.options.reap_after, batch);
+    std::vector<ReapedRecord> got = core.latency.time(detail::StoreCall::reap, [&] {
+      return core.store->reap(core.now() - core.options.reap_after, batch);
+    });
     for (const ReapedRecord& r : got) {
       detail::bump(core.counters.reaped);
       core.log(LogLevel::warning, "reaped", r.key_hash, r.operation, r.token,
@@ -309,6 +312,7 @@ MetricsSnapshot Coordinator::metrics() const {
   m.outbox_delivered = get(c.outbox_delivered);
   m.outbox_retried = get(c.outbox_retried);
   m.outbox_parked = get(c.outbox_parked);
+  core_->latency.snapshot(m);
   return m;
 }
 

@@ -1,7 +1,7 @@
 // What every call of one Coordinator shares: the store, the options, the clock, the
-// counters, the in-process registry of held keys, the group commit and whether calls read
-// before they reserve. The flow (flow.hpp) of each call works on it; the effect loop
-// (drive.hpp) only hands it effects.
+// counters and latency histograms, the in-process registry of held keys, the group commit and
+// whether calls read before they reserve. The flow (flow.hpp) of each call works on it; the effect
+// loop (drive.hpp) only hands it effects.
 #pragma once
 
 #include <atomic>
@@ -18,6 +18,7 @@
 #include "group_commit.hpp"
 #include "idem/coordinator.hpp"
 #include "inflight.hpp"
+#include "latency.hpp"
 #include "read_first.hpp"
 #include "workers.hpp"
 
@@ -87,6 +88,7 @@ class CoordinatorCore {
   const Options options;
   const std::shared_ptr<Clock> clock;
   mutable Counters counters;
+  mutable Latency latency;
   InflightRegistry inflight;
   // The store's wake-ups from other processes go to `inflight` (declared after it, so it
   // stops first).

@@ -195,8 +195,10 @@ typename P::template Task<Outcome> drive(CoordinatorCore& core, const Request& r
     const Effect e = flow.next();
     switch (e.kind) {
       case Kind::read: {
-        Loaded loaded =
-            co_await perform.store([&core, &flow] { return read_record(*core.store, flow.id()); });
+        Loaded loaded = co_await perform.store([&core, &flow] {
+          return core.latency.time(StoreCall::load,
+                                   [&] { return read_record(*core.store, flow.id()); });
+        });
         flow.loaded(std::move(loaded));
         break;
       }

@@ -64,6 +64,9 @@ Flow::Flow(CoordinatorCore& core, const Request& request, WaiterFactory make_wai
 Flow::~Flow() {
   unsubscribe();
   done_holding();  // a driver that stopped mid-way (a destroyed coroutine) still wakes waiters
+  Latency& latency = core_.latency;
+  latency.call(ended_).observe_since(started_);
+  if (waited_) latency.wait.observe_since(wait_started_);
 }
 
 Effect Flow::next() {
@@ -284,6 +287,7 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
     case Decision::key_reuse:
       if (!std::exchange(looked_, true)) core_.read_first.found();
       bump(core_.counters.key_reuse);
+      ended_ = CallEnd::reuse;
       log(LogLevel::info, "key_reuse", "same key, different fingerprint", record->token);
       throw KeyReuseError(record->fingerprint.hex(), call_.fingerprint.hex());
 
@@ -291,6 +295,7 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
       if (!std::exchange(looked_, true)) core_.read_first.found();
       const TimePoint lease_end = record != nullptr ? record->lease_until : holder_lease_;
       bump(core_.counters.in_progress_conflicts);
+      ended_ = CallEnd::conflict;
       log(LogLevel::info, "in_progress",
           call_.policy == InFlight::raise ? "another request holds the key" : "gave up waiting",
           record != nullptr ? record->token : holder_);
@@ -309,6 +314,7 @@ Effect Flow::act(Decision d, Record* record, TimePoint now) {
 Effect Flow::wait_for(const Record& holder, TimePoint now) {
   if (!std::exchange(waited_, true)) {
     bump(core_.counters.waited);
+    wait_started_ = std::chrono::steady_clock::now();
     log(LogLevel::debug, "waiting", "another request holds the key; waiting for its outcome",
         holder.token);
   }
@@ -541,6 +547,7 @@ Effect Flow::after_release() {
     }
   }
   bump(core_.counters.released);
+  ended_ = CallEnd::released;
   log(LogLevel::info, "released", "the action failed; the key is free for a retry");
   std::rethrow_exception(failure_);
 }
@@ -565,6 +572,17 @@ Effect Flow::run(Mode mode) {
 }
 
 Effect Flow::answer(Response response, Outcome::Source source, TimePoint expires_at) {
+  switch (source) {
+    case Outcome::Source::executed:
+      ended_ = CallEnd::executed;
+      break;
+    case Outcome::Source::replayed:
+      ended_ = CallEnd::replayed;
+      break;
+    case Outcome::Source::unprotected:
+      ended_ = call_.has_key ? CallEnd::failed_open : CallEnd::no_key;
+      break;
+  }
   outcome_ = Outcome{std::move(response), source, expires_at};
   return Effect{Effect::Kind::answer};
 }

@@ -15,7 +15,9 @@
 //     case answer:  return flow.outcome();
 //   }
 //
-// next() decides with decide(), keeps the counters and the log, holds the key's
+// next() decides with decide(), keeps the counters, the latency histograms (the call's
+// duration, labelled by how it ended, is observed when the flow is destroyed) and the log,
+// holds the key's
 // in-process bookkeeping (who holds it, who waits on it), and throws the errors a call ends
 // with (KeyReuseError, InProgressError, LeaseLostError, StoreError, or the action's own
 // exception).
@@ -31,6 +33,7 @@
 #include "decide.hpp"
 #include "idem/coordinator.hpp"
 #include "inflight.hpp"
+#include "latency.hpp"
 
 namespace idem::detail {
 
@@ -165,6 +168,9 @@ class Flow {
            std::int64_t token) const;
 
   CoordinatorCore& core_;
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  CallEnd ended_ = CallEnd::error;  // how the call ended, for its duration's label
+  std::chrono::steady_clock::time_point wait_started_{};  // when it first waited
   Call call_;
   WaiterFactory make_waiter_;
   TimePoint give_up_;

@@ -191,6 +191,10 @@ std::shared_ptr<GroupCommit::Round> GroupCommit::take(std::unique_lock<std::mute
   if (next_leader) next_leader->tell(Signal::lead);
   r->ops.reserve(r->batch.size());
   for (const Pending& p : r->batch) r->ops.push_back(p.op);
+  if (latency_ != nullptr) {
+    latency_->batch.observe(r->batch.size());
+    r->started = std::chrono::steady_clock::now();
+  }
   if (clock_ != nullptr) {
     const TimePoint now = clock_->now();
     for (StoreOp* op : r->ops) {
@@ -240,6 +244,7 @@ void GroupCommit::round(std::unique_lock<std::mutex>& lock, const Bell* own) noe
 }
 
 void GroupCommit::finish(Round& r) noexcept {
+  if (latency_ != nullptr) latency_->of(StoreCall::apply).observe_since(r.started);
   std::unique_lock lock(mutex_);
   --rounds_;
   const std::optional<Pending> next_leader = hand_on();

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -44,6 +45,7 @@
 #include <vector>
 
 #include "idem/store.hpp"
+#include "latency.hpp"
 
 namespace idem::detail {
 
@@ -53,9 +55,12 @@ class GroupCommit {
   // With `clock`, a round's ops count their times from when the round goes to the store
   // (StoreOp::now and the times made from it move forward by what the op waited in the queue),
   // so a write that waited behind a stalled round starts its lease when it is applied.
-  explicit GroupCommit(Store& store, const Clock* clock = nullptr)
+  // With `latency`, each round's batch size and its time in the store (StoreCall::apply) are
+  // observed there.
+  explicit GroupCommit(Store& store, const Clock* clock = nullptr, Latency* latency = nullptr)
       : store_(store),
         clock_(clock),
+        latency_(latency),
         max_rounds_(std::max<std::size_t>(1, store.concurrent_applies())) {}
   GroupCommit(const GroupCommit&) = delete;
   GroupCommit& operator=(const GroupCommit&) = delete;
@@ -117,6 +122,7 @@ class GroupCommit {
     std::vector<Pending> batch;
     std::vector<StoreOp*> ops;
     std::unique_ptr<PendingApply> pending;
+    std::chrono::steady_clock::time_point started{};  // when its batch went to the store
   };
 
   // Takes the first `most` queued writes as a round (a round counted in rounds_ by the
@@ -142,6 +148,7 @@ class GroupCommit {
 
   Store& store_;
   const Clock* clock_;            // null: ops keep their times
+  Latency* const latency_;        // null: rounds are not observed
   const std::size_t max_rounds_;  // Store::concurrent_applies(), at least 1
   std::mutex mutex_;
   std::vector<Pending> queue_;  // guarded by mutex_

@@ -33,7 +33,9 @@ struct Heartbeat::State : std::enable_shared_from_this<State> {
     bool renewed = true;
     std::string failure;
     try {
-      renewed = core.store->renew(id, token, core.now() + core.options.lease);
+      renewed = core.latency.time(StoreCall::renew, [&] {
+        return core.store->renew(id, token, core.now() + core.options.lease);
+      });
     } catch (const std::exception& e) {
       failure = e.what();
     }

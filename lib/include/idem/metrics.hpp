@@ -1,10 +1,22 @@
-// idem — counters for every decision the coordinator makes.
+// idem — counters for every decision the coordinator makes, and histograms of how long calls,
+// waits and store round trips take.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <vector>
 
 namespace idem {
+
+// One histogram, as Prometheus counts it: how many observations fell at or below each bound.
+struct HistogramSnapshot {
+  std::vector<double> bounds;          // the buckets' upper bounds ("le"), ascending
+  std::vector<std::uint64_t> buckets;  // observations per bucket, not cumulative; one more than
+                                       // bounds: the last holds those above every bound (+Inf)
+  double sum = 0;                      // of all observations (seconds, or ops)
+  std::uint64_t count = 0;             // of all observations (the total of buckets)
+};
 
 // A consistent-enough copy of the counters (each read atomically, not all at one instant).
 struct MetricsSnapshot {
@@ -34,7 +46,34 @@ struct MetricsSnapshot {
   std::uint64_t outbox_retried = 0;      // failed deliveries, to be retried
   std::uint64_t outbox_parked = 0;       // messages given up on after max_attempts
 
-  // Prometheus text exposition, each counter as idem_<name>_total.
+  // Latency, in seconds of real time (std::chrono::steady_clock, never Options::clock). Every
+  // label is present from the start, with zero counts. Each observation costs two relaxed
+  // atomic additions (no lock); see docs/reference.md, "Metrics".
+  //
+  // Call durations (Coordinator::call, call_steps, async_call and the layers over them), from
+  // the call's start to its answer or error, by how it ended:
+  //   executed     the action ran for this call
+  //   replayed     a stored response was returned
+  //   conflict     InProgressError (another request held the key)
+  //   reuse        KeyReuseError
+  //   released     the action failed; its reservation was released for a retry
+  //   failed_open  the store failed and the action ran unprotected (OnStoreFailure::fail_open)
+  //   no_key       a request without a key, run unprotected
+  //   error        any other error (the store's, a lost lease, a corrupt record, the action's
+  //                when nothing was reserved)
+  std::map<std::string, HistogramSnapshot> call_duration;
+  // Calls that waited for another request with the same key: from the first wait to the end.
+  HistogramSnapshot wait_duration;
+  // Round trips to the store, by operation: load (a key's record), apply (one group-commit
+  // round: the reserve, complete and release writes of every call in its batch, one
+  // transaction), renew (a heartbeat), purge and reap (one batch each).
+  std::map<std::string, HistogramSnapshot> store_duration;
+  // Writes per group-commit round.
+  HistogramSnapshot commit_batch_size;
+
+  // Prometheus text exposition (format 0.0.4): each counter as idem_<name>_total, then the
+  // histograms idem_call_duration_seconds{outcome}, idem_wait_duration_seconds,
+  // idem_store_duration_seconds{operation} and idem_commit_batch_size.
   std::string to_prometheus() const;
 };
 
