@@ -19,6 +19,7 @@
 
 #include "conformance_sql.hpp"
 #include "idem/file_payload_store.hpp"
+#include "idem/fingerprint.hpp"
 #include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for /_fixture/corrupt
 #include "idem/key.hpp"
 #include "idem/sqlite_store.hpp"
@@ -165,7 +166,31 @@ struct ConformanceApp::Impl {
   std::unique_ptr<http::Layer> layer;
   std::atomic<long long> counter{0};  // written on the io thread, read by any
 
+  // ConformanceOptions::handwritten: its connection and statements.
+  struct Hand {
+    sqlite::BusyPolicy busy{std::chrono::seconds(5), {}};
+    sqlite::Connection db;
+    std::optional<sqlite::Statement> reserve, load, complete, release;
+    explicit Hand(const std::string& path) : db(sqlite::open_connection(path, &busy)) {
+      sqlite::enable_wal(db.get(), busy);
+      sqlite::exec(db.get(), "PRAGMA synchronous=NORMAL");  // SqliteStore's default
+      sqlite::exec(db.get(), sql::kHandSchema);
+      reserve.emplace(db.get(), sql::kHandReserve);
+      load.emplace(db.get(), sql::kHandLoad);
+      complete.emplace(db.get(), sql::kHandComplete);
+      release.emplace(db.get(), sql::kHandRelease);
+    }
+    void bind_id(sqlite::Statement& s, const std::string& tenant, const std::string& operation,
+                 const std::string& key) {
+      s.bind(1, tenant);
+      s.bind(2, operation);
+      s.bind(3, key);
+    }
+  };
+  std::unique_ptr<Hand> hand;
+
   explicit Impl(ConformanceOptions o) : options(std::move(o)) {
+    if (!options.layer && options.handwritten) hand = std::make_unique<Hand>(options.db);
     Options idem_options;
     idem_options.in_flight = options.policy;
     idem_options.on_store_failure =
@@ -208,6 +233,62 @@ struct ConformanceApp::Impl {
     const std::string_view tenant = value.substr(0, value.find(':'));
     if (tenant.empty()) return bad_request(fmt::format("{} names no tenant before its ':'", name));
     return std::string(tenant);
+  }
+
+  // ConformanceOptions::handwritten: what a handler without idem does around `handler`.
+  net::awaitable<Reply> by_hand(const Request& req, const std::string& tenant,
+                                const http::AsyncHandler& handler) {
+    const auto field = req.find("Idempotency-Key");
+    if (field == req.end() || field->value().empty())
+      co_return problem_reply(400, "idempotency_key_required", "Idempotency-Key required", "");
+    const std::string key(sv(field->value()));
+    const std::string operation = fmt::format("{} {}", sv(req.method_string()), sv(req.target()));
+    const Fingerprint fingerprint = Fingerprint::of_bytes(req.body());
+    Hand& h = *hand;
+    bool fresh = false;
+    {
+      sqlite::ResetGuard reset(*h.reserve);
+      h.bind_id(*h.reserve, tenant, operation, key);
+      h.reserve->bind_blob(4, fingerprint.bytes().data(), fingerprint.bytes().size());
+      fresh = h.reserve->step();
+    }
+    if (!fresh) {
+      sqlite::ResetGuard reset(*h.load);
+      h.bind_id(*h.load, tenant, operation, key);
+      if (!h.load->step()) co_return problem_reply(409, "idempotency_key_in_use", "In use", "");
+      if (h.load->blob_view(1) !=
+          std::string_view(reinterpret_cast<const char*>(fingerprint.bytes().data()),
+                           fingerprint.bytes().size()))
+        co_return problem_reply(422, "idempotency_key_reuse", "Key reused", "");
+      if (h.load->int64(0) != 2) {
+        Reply busy = problem_reply(409, "idempotency_key_in_use", "In use", "");
+        busy.set(bh::field::retry_after, "1");
+        co_return busy;
+      }
+      Reply r = body_reply(static_cast<int>(h.load->int64(2)), h.load->blob(3),
+                           "application/octet-stream");
+      r.set(options.fixture.replayed_header, "true");
+      co_return r;
+    }
+    const http::Context unprotected{};
+    std::optional<Reply> reply;
+    try {
+      reply = co_await handler(req, unprotected);
+    } catch (...) {
+    }
+    if (!reply || reply->result_int() >= 500) {
+      sqlite::ResetGuard reset(*h.release);
+      h.bind_id(*h.release, tenant, operation, key);
+      h.release->step();
+      if (!reply) co_return problem_reply(500, "internal", "Handler failed", "");
+      co_return std::move(*reply);
+    }
+    sqlite::ResetGuard reset(*h.complete);
+    h.bind_id(*h.complete, tenant, operation, key);
+    h.complete->bind(4, static_cast<std::int64_t>(reply->result_int()));
+    h.complete->bind_blob(5, reply->body().data(), reply->body().size());
+    h.complete->step();
+    co_return std::move(*reply);
   }
 
   // A counted route, or nullopt when the request names none. Validation happens here,
@@ -418,6 +499,7 @@ net::awaitable<Reply> ConformanceApp::handle(Request req, Peer peer) {
   };
   // (named, not a temporary: g++ 12 destroys temporaries in a co_await expression twice)
   const http::Context unprotected{};
+  if (d.hand) co_return co_await d.by_hand(req, tenant, handler);
   if (!d.options.layer) co_return co_await handler(req, unprotected);
   co_return co_await d.layer->async_handle(req, handler);
 }

@@ -70,6 +70,12 @@ struct ConformanceOptions {
   // third of it while the handler runs). Default: 30 s.
   std::chrono::milliseconds lease{std::chrono::seconds(30)};
   FixtureOptions fixture{};
+  // With layer false: idempotency written by hand instead, the way a service without idem
+  // would write seed 000's SQL (sql::kHandReserve...: insert the key or find it, run, store
+  // the answer; each statement its own transaction, on the io thread, in a table of its own
+  // in the same file). No lease, no expiry, no headers kept: a floor for scripts/bench's http
+  // section, not a guarantee (a crash mid-request leaves its key in flight for ever).
+  bool handwritten = false;
 };
 
 class ConformanceApp final : public App {

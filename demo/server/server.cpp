@@ -71,7 +71,7 @@ struct Server::Impl {
     if (options.app == AppKind::conformance) {
       fixture = std::make_unique<ConformanceApp>(ConformanceOptions{
           options.api.db, options.api.policy, options.api.fail_closed, options.idempotency_layer,
-          options.api.ttl, options.api.lease, options.fixture});
+          options.api.ttl, options.api.lease, options.fixture, options.handwritten});
       app = fixture.get();
     } else {
       payments = std::make_unique<PaymentsApi>(options.api);

@@ -20,8 +20,9 @@ struct ServerOptions {
   AppKind app = AppKind::payments;
   // The payments API; its db, policy, fail_closed, ttl and lease serve both apps.
   ApiOptions api;
-  bool idempotency_layer = true;        // conformance only: false serves its routes without idem
-  FixtureOptions fixture{};             // conformance only: tenant field, replay marker, limits
+  bool idempotency_layer = true;  // conformance only: false serves its routes without idem
+  bool handwritten = false;  // conformance only, without the layer: by hand (ConformanceOptions)
+  FixtureOptions fixture{};  // conformance only: tenant field, replay marker, limits
   std::size_t body_limit = 64 * 1024;   // larger bodies: 413, connection closed
   std::size_t header_limit = 8 * 1024;  // larger header sections: 431, connection closed
   // A request must arrive whole within read_timeout of its first byte; a keep-alive

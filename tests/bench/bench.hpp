@@ -13,6 +13,14 @@ namespace idem::bench {
 
 using Clock = std::chrono::steady_clock;
 
+// The middle of a ratio's back-to-back pairs (the upper middle of an even count): this VM's
+// speed drifts by ±15 % over seconds, so a ratio is read from pairs run one right after the
+// other, never from two runs a minute apart.
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 inline double micros_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
 }

@@ -242,11 +242,6 @@ Stats replay(Loopback& s, std::size_t width, std::size_t calls) {
   return st;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // The run of median throughput, of an odd number of runs.
 Stats median_run(std::vector<Stats> runs) {
   std::sort(runs.begin(), runs.end(),

@@ -1,6 +1,8 @@
-// The HTTP section: requests per second through the demo server's conformance app, with the
-// idempotency layer and without it (the bare server), back to back in one run, so the layer's
-// price is read against the same HTTP stack on the same machine.
+// The HTTP section: requests per second through the demo server's conformance app on the same
+// HTTP stack three ways: with idem's layer; with idempotency written by hand (seed 000's SQL
+// around the handler, ConformanceOptions::handwritten: what a user would write instead); and
+// bare (the handler alone, nothing stored: what answering costs). Each ratio is the median of
+// back-to-back pairs, the three servers running side by side and measured one at a time.
 #include <utility>  // before Asio (Boost 1.74)
 
 #include <fmt/format.h>
@@ -20,6 +22,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -70,12 +73,19 @@ HttpReq http_get(const std::string& target) {
   return req;
 }
 
+// How a server guards its routes.
+enum class Guard { layer, handwritten, bare };
+
+const char* name_of(Guard g) {
+  return g == Guard::layer ? "layer" : g == Guard::handwritten ? "by hand" : "bare";
+}
+
 // The server on its own thread, on a fresh database; stopped and joined however the bench
 // leaves (an abort included).
 class ServerThread {
  public:
-  ServerThread(const std::string& dir, bool layer)
-      : server_(options(dir, layer)), thread_([this] { server_.run(); }) {}
+  ServerThread(const std::string& dir, Guard guard)
+      : server_(options(dir, guard)), thread_([this] { server_.run(); }) {}
   ~ServerThread() {
     server_.stop();
     thread_.join();
@@ -86,12 +96,15 @@ class ServerThread {
   unsigned short port() const noexcept { return server_.port(); }
 
  private:
-  static demo::ServerOptions options(const std::string& dir, bool layer) {
+  static demo::ServerOptions options(const std::string& dir, Guard guard) {
     demo::ServerOptions o;
     o.port = 0;
     o.app = demo::AppKind::conformance;
-    o.idempotency_layer = layer;
-    o.api.db = dir + (layer ? "/http-layer.db" : "/http-bare.db");
+    o.idempotency_layer = guard == Guard::layer;
+    o.handwritten = guard == Guard::handwritten;
+    o.api.db = dir + (guard == Guard::layer         ? "/http-layer.db"
+                      : guard == Guard::handwritten ? "/http-hand.db"
+                                                    : "/http-bare.db");
     for (const char* suffix : {"", "-wal", "-shm"}) std::filesystem::remove(o.api.db + suffix);
     return o;
   }
@@ -224,8 +237,13 @@ net::awaitable<void> drive(Conn& c, std::function<HttpReq(std::size_t)> next, Ch
   lane.ended = Clock::now();
 }
 
+// A number no phase of this process has used: keys carry it, so one server serves every phase.
+std::size_t next_run() {
+  static std::size_t runs = 0;
+  return runs++;
+}
+
 // Every request a new key: the handler runs every time (with the layer: reserve, run, store).
-// Keys carry `width` too: one server serves every width.
 Stats fresh(Client& client, const std::string& server, std::size_t width,
             std::chrono::milliseconds duration) {
   auto conns = client.connect(width);
@@ -235,8 +253,8 @@ Stats fresh(Client& client, const std::string& server, std::size_t width,
   const std::uint64_t before = client.counter();
   const auto t0 = Clock::now();
   for (std::size_t i = 0; i < width; ++i) {
-    auto next = [width, i](std::size_t n) {
-      return http_post("/echo", fmt::format("fresh-{}-{}-{}", width, i, n));
+    auto next = [run = next_run(), i](std::size_t n) {
+      return http_post("/echo", fmt::format("fresh-{}-{}-{}", run, i, n));
     };
     client.spawn(drive(*conns[i], next, check, t0 + duration, lanes[i]));
   }
@@ -254,7 +272,7 @@ Stats replay(Client& client, const std::string& server, bool layer, std::size_t 
   std::vector<Lane> lanes(width);
   std::vector<HttpReq> reqs;
   for (std::size_t i = 0; i < width; ++i)
-    reqs.push_back(http_post("/echo", fmt::format("replay-{}-{}", width, i)));
+    reqs.push_back(http_post("/echo", fmt::format("replay-{}-{}", next_run(), i)));
   const std::string phase = fmt::format("{} replay at {} connections", server, width);
   const Check first = echoed(phase + " (first request)", false);
   const Check again = echoed(phase, layer);
@@ -324,7 +342,8 @@ Stats storm(Client& client, std::size_t width, std::chrono::milliseconds duratio
 }  // namespace
 
 json run_http(bool quick, const std::string& dir, std::ostream* human) {
-  const std::chrono::milliseconds duration = quick ? 1s : 4s;
+  const std::chrono::milliseconds duration = quick ? 1s : 3s;
+  const int pairs = quick ? 1 : 3;
   const std::vector<std::size_t> widths = {1, 64};
   auto heading = [&](const std::string& text) {
     if (human != nullptr) *human << '\n' << text << '\n';
@@ -340,42 +359,95 @@ json run_http(bool quick, const std::string& dir, std::ostream* human) {
   };
 
   heading(fmt::format(
-      "http: the conformance app on keep-alive connections, with the idempotency layer and "
-      "without ({} s a line)",
-      duration.count() / 1000));
+      "http: the conformance app on keep-alive connections, with idem's layer, with idempotency "
+      "by hand and bare ({} s a line, {} back-to-back round{})",
+      static_cast<double>(duration.count()) / 1000, pairs, pairs == 1 ? "" : "s"));
   json out = json::object();
   json& h = out["http"];
-  Stats layer_fresh, layer_replay, bare_fresh;  // at 64 connections
-  for (const bool layer : {true, false}) {
-    const std::string server = layer ? "layer" : "bare";
-    ServerThread running(dir, layer);
-    Client client(running.port());  // closes its connections before the server stops
+  ServerThread layer_server(dir, Guard::layer), hand_server(dir, Guard::handwritten),
+      bare_server(dir, Guard::bare);
+  // Clients close their connections before their servers stop (declared after them).
+  Client layer(layer_server.port()), hand(hand_server.port()), bare(bare_server.port());
+  struct Server {
+    Guard guard;
+    Client& client;
+  };
+  const Server servers[] = {{Guard::layer, layer}, {Guard::handwritten, hand}, {Guard::bare, bare}};
+
+  // Fresh keys: the three servers one after another, `pairs` times, at each width.
+  std::map<std::size_t, std::vector<double>> vs_hand, vs_bare;  // by width
+  std::map<std::size_t, std::map<Guard, Stats>> first;          // the first round's
+  for (int round = 0; round < pairs; ++round) {
     for (const std::size_t width : widths) {
-      const Stats s = fresh(client, server, width, duration);
-      line(label(server + ": fresh keys", width), s);
-      h[server]["fresh"][std::to_string(width)] = s.json();
-      if (width == 64) (layer ? layer_fresh : bare_fresh) = s;
-    }
-    for (const std::size_t width : widths) {
-      const Stats s = replay(client, server, layer, width, duration);
-      line(label(server + (layer ? ": replays" : ": repeats, each runs again"), width), s);
-      h[server]["replay"][std::to_string(width)] = s.json();
-      if (layer && width == 64) layer_replay = s;
-    }
-    for (const std::size_t width : widths) {
-      if (!layer) break;
-      const Stats s = storm(client, width, duration);
-      line(label("layer: 409, the key in flight", width), s);
-      h[server]["conflict_409"][std::to_string(width)] = s.json();
+      std::map<Guard, Stats> got;
+      for (const Server& s : servers) {
+        const std::string name = std::string(name_of(s.guard)) + fmt::format(" #{}", round);
+        got[s.guard] = fresh(s.client, name, width, duration);
+        if (round == 0)
+          line(label(std::string(name_of(s.guard)) + ": fresh keys", width), got[s.guard]);
+      }
+      vs_hand[width].push_back(got[Guard::layer].per_s / got[Guard::handwritten].per_s);
+      vs_bare[width].push_back(got[Guard::layer].per_s / got[Guard::bare].per_s);
+      if (round == 0) first[width] = got;
     }
   }
-  out["http_fresh_requests_per_s"] = layer_fresh.per_s;
-  out["http_replay_requests_per_s"] = layer_replay.per_s;
-  out["http_layer_ratio"] = layer_fresh.per_s / bare_fresh.per_s;
+  for (const std::size_t width : widths) {
+    for (const Server& s : servers)
+      h[name_of(s.guard)]["fresh"][std::to_string(width)] = first[width][s.guard].json();
+  }
+  // Replays: the layer's stored answer against the bare server answering the same request
+  // again (its no-op handler runs each time).
+  std::map<std::size_t, std::vector<double>> replay_vs_bare;
+  std::map<std::size_t, std::pair<Stats, Stats>> first_replay;
+  for (int round = 0; round < pairs; ++round) {
+    for (const std::size_t width : widths) {
+      const Stats l = replay(layer, fmt::format("layer #{}", round), true, width, duration);
+      const Stats b = replay(bare, fmt::format("bare #{}", round), false, width, duration);
+      replay_vs_bare[width].push_back(l.per_s / b.per_s);
+      if (round == 0) {
+        line(label("layer: replays", width), l);
+        line(label("bare: repeats, each runs again", width), b);
+        first_replay[width] = {l, b};
+        h["layer"]["replay"][std::to_string(width)] = l.json();
+        h["bare"]["replay"][std::to_string(width)] = b.json();
+      }
+    }
+  }
+  for (const std::size_t width : widths) {
+    const Stats s = storm(layer, width, duration);
+    line(label("layer: 409, the key in flight", width), s);
+    h["layer"]["conflict_409"][std::to_string(width)] = s.json();
+  }
+
+  h["raw"] = {{"layer_vs_handwritten_pairs_64", vs_hand[64]},
+              {"layer_vs_handwritten_pairs_1", vs_hand[1]},
+              {"layer_vs_noop_pairs_64", vs_bare[64]},
+              {"replay_vs_noop_pairs_64", replay_vs_bare[64]},
+              {"replay_vs_noop_pairs_1", replay_vs_bare[1]}};
+  out["http_fresh_requests_per_s"] = first[64][Guard::layer].per_s;
+  out["http_handwritten_fresh_requests_per_s"] = first[64][Guard::handwritten].per_s;
+  out["http_noop_requests_per_s"] = first[64][Guard::bare].per_s;
+  out["http_replay_requests_per_s"] = first_replay[64].first.per_s;
+  out["http_layer_vs_handwritten_ratio"] = median(vs_hand[64]);
+  out["http_layer_vs_handwritten_ratio_1conn"] = median(vs_hand[1]);
+  out["http_layer_vs_noop_ratio"] = median(vs_bare[64]);
+  out["http_replay_vs_noop_ratio"] = median(replay_vs_bare[64]);
+  // What the layer adds to one request over answering it bare, one connection.
+  const Stats& l1 = first[1][Guard::layer];
+  const Stats& b1 = first[1][Guard::bare];
+  out["http_layer_added_p50_us_1conn"] = l1.p50_us - b1.p50_us;
+  out["http_layer_added_p99_us_1conn"] = l1.p99_us - b1.p99_us;
   if (human != nullptr) {
     *human << fmt::format(
-        "  the layer's price: fresh with the layer / bare server = {:.2f} at 64 connections\n",
-        out["http_layer_ratio"].get<double>());
+        "  medians of {} rounds: layer / by hand {:.2f} at 64 connections, {:.2f} at one; layer / "
+        "bare {:.2f} at 64; replays / bare {:.2f} at 64; the layer adds {:.0f} us at p50 and "
+        "{:.0f} us at p99 to one connection's request\n",
+        pairs, out["http_layer_vs_handwritten_ratio"].get<double>(),
+        out["http_layer_vs_handwritten_ratio_1conn"].get<double>(),
+        out["http_layer_vs_noop_ratio"].get<double>(),
+        out["http_replay_vs_noop_ratio"].get<double>(),
+        out["http_layer_added_p50_us_1conn"].get<double>(),
+        out["http_layer_added_p99_us_1conn"].get<double>());
   }
   return out;
 }

@@ -377,11 +377,6 @@ Stats idem_replay_cached(const Config& c, std::size_t keys, std::size_t n) {
   return idem_threads(idem, n, 1, [&](std::size_t i) { return key_of(i % keys); });
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // ---- 5. several processes on one database file ---------------------------------------------
 
 // Child: waits for one byte on `gate_fd`, makes `n` fresh calls, prints its stats as JSON.

@@ -499,11 +499,6 @@ struct Table {
   }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 }  // namespace
 
 json run_pg(const PgBenchConfig& c, std::ostream* human) {
