@@ -14,6 +14,7 @@
 #include "../lib/src/group_commit.hpp"
 #include "../lib/src/pg_sql.hpp"
 #include "../lib/src/read_first.hpp"
+#include "../lib/src/record_codec.hpp"
 #include "../lib/src/sql.hpp"
 #include "bench/floor_sql.hpp"
 #include "idem/internal/store_stats.hpp"
@@ -483,4 +484,27 @@ TEST_CASE("bench: the floor runs idem's own statements") {
   CHECK(idem::bench::sql::kPgReserve == idem::pg_sql::kReserve);
   CHECK(idem::bench::sql::kPgComplete == idem::pg_sql::kComplete);
   CHECK(idem::bench::sql::kPgLoad == idem::pg_sql::kLoad);
+}
+
+TEST_CASE(
+    "record codec: stored headers decode as [name, value] pairs, and any other shape is a corrupt "
+    "record") {
+  using idem::detail::headers_from_json;
+  using idem::detail::headers_to_json;
+  const std::vector<idem::Header> headers = {
+      {"Content-Type", "application/json"}, {"X-Quote", "a \"b\" \\ \u00e9"}, {"Empty", ""}};
+  const std::vector<idem::Header> back = headers_from_json(headers_to_json(headers));
+  REQUIRE(back.size() == headers.size());
+  for (std::size_t i = 0; i < headers.size(); ++i) {
+    CHECK(back[i].name == headers[i].name);
+    CHECK(back[i].value == headers[i].value);
+  }
+  CHECK(headers_from_json("").empty());
+  CHECK(headers_from_json("[]").empty());
+  for (const char* bad : {"not json", "{}", "\"a\"", "1", "[\"a\"]", "[[\"a\"]]",
+                          "[[\"a\", \"b\", \"c\"]]", "[[\"a\", 1]]", "[[[\"a\", \"b\"]]]",
+                          "[[\"a\", \"b\"]", "[[\"a\", null]]", "[[\"a\", \"b\"]] x"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(headers_from_json(bad), idem::CorruptRecordError);
+  }
 }

@@ -173,7 +173,7 @@ struct ConformanceApp::Impl {
     std::optional<sqlite::Statement> reserve, load, complete, release;
     explicit Hand(const std::string& path) : db(sqlite::open_connection(path, &busy)) {
       sqlite::enable_wal(db.get(), busy);
-      sqlite::exec(db.get(), "PRAGMA synchronous=NORMAL");  // SqliteStore's default
+      sqlite::exec(db.get(), sql::kHandSynchronous);
       sqlite::exec(db.get(), sql::kHandSchema);
       reserve.emplace(db.get(), sql::kHandReserve);
       load.emplace(db.get(), sql::kHandLoad);

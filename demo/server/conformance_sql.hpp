@@ -24,6 +24,8 @@ CREATE TABLE IF NOT EXISTS hand_keys (
   status      INTEGER,
   body        BLOB,
   PRIMARY KEY (tenant, operation, key)))sql";
+// SqliteStore's default durability (WAL, synchronous=NORMAL), for a fair comparison.
+inline constexpr std::string_view kHandSynchronous = "PRAGMA synchronous=NORMAL";
 // ?4 fingerprint; returns a row when the key is new (this request runs).
 inline constexpr std::string_view kHandReserve = R"sql(
 INSERT INTO hand_keys (tenant, operation, key, state, fingerprint) VALUES (?1, ?2, ?3, 1, ?4)
