@@ -444,7 +444,9 @@ TEST_CASE(
   const std::map<std::string, double> expected = {
       {"executed", 4}, {"replayed", 3},    {"conflict", 0}, {"reuse", 1},
       {"released", 1}, {"failed_open", 0}, {"no_key", 0},   {"error", 0}};
-  for (const auto& [outcome, n] : expected) {
+  for (const auto& entry : expected) {
+    const std::string& outcome = entry.first;  // (not a structured binding: clang 14 cannot
+    const auto n = entry.second;               // capture one in CAPTURE's lambda)
     CAPTURE(outcome);
     CHECK(histogram_count(parsed, "idem_call_duration_seconds", "outcome=" + outcome) == n);
   }

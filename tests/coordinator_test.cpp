@@ -694,7 +694,9 @@ TEST_CASE(
       {"executed", 4}, {"replayed", 2},    {"conflict", 1}, {"reuse", 1},
       {"released", 1}, {"failed_open", 1}, {"no_key", 1},   {"error", 0}};
   REQUIRE(m.call_duration.size() == expected.size());
-  for (const auto& [outcome, n] : expected) {
+  for (const auto& entry : expected) {
+    const std::string& outcome = entry.first;  // (not a structured binding: clang 14 cannot
+    const auto n = entry.second;               // capture one in CAPTURE's lambda)
     CAPTURE(outcome);
     const idem::HistogramSnapshot& h = m.call_duration.at(outcome);
     CHECK(h.count == n);
@@ -712,7 +714,9 @@ TEST_CASE(
   CHECK(m.store_duration.at("load").count > 0);  // at least the look after the reuse
 
   const nlohmann::json parsed = idem::test::prometheus_parsed(m.to_prometheus());
-  for (const auto& [outcome, n] : expected) {
+  for (const auto& entry : expected) {
+    const std::string& outcome = entry.first;  // (not a structured binding: clang 14 cannot
+    const auto n = entry.second;               // capture one in CAPTURE's lambda)
     CAPTURE(outcome);
     CHECK(idem::test::histogram_count(parsed, "idem_call_duration_seconds", "outcome=" + outcome) ==
           static_cast<double>(n));
