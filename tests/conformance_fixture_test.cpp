@@ -30,11 +30,13 @@ using idem::test::Headers;
 // The fixture in this process, as `idem-demo serve --app conformance` runs it.
 struct Fixture : idem::test::Served {
   explicit Fixture(idem::demo::FixtureOptions fixture = {},
-                   idem::InFlight policy = idem::InFlight::raise)
+                   idem::InFlight policy = idem::InFlight::raise,
+                   std::size_t replay_cache_bytes = 0)
       : Served([&] {
           idem::demo::ServerOptions o;
           o.app = idem::demo::AppKind::conformance;
           o.api.policy = policy;
+          o.api.replay_cache_bytes = replay_cache_bytes;
           o.fixture = fixture;
           return o;
         }()) {}
@@ -417,6 +419,41 @@ TEST_CASE(
   CHECK(counter(s.port) == 2);
   ::kill(s.pid, SIGTERM);
   CHECK(s.wait(20s) == 0);
+}
+
+TEST_CASE(
+    "conformance fixture: with --replay-cache-mb a replay is answered from memory, the handler "
+    "ran once and /metrics counts the cache") {
+  // The cache's counters as /metrics prints them (-1: the line is not there).
+  auto counter_of = [](const std::string& text, const std::string& name) {
+    const std::size_t at = text.find("\n" + name + " ");
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
+  };
+  Fixture f({}, idem::InFlight::raise, std::size_t{1} << 20);
+  HttpClient c(f.port());
+  const HttpReply first = c.send("POST", "/resources", key("rc1"), "x");
+  REQUIRE(first.status == 201);
+  const std::string before = c.send("GET", "/metrics").body;
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    const HttpReply again = c.send("POST", "/resources", key("rc1"), "x");
+    CHECK(again.status == 201);
+    CHECK(again.headers.at("idempotent-replayed") == "true");
+    CHECK(again.body == first.body);
+  }
+  CHECK(c.send("POST", "/resources", key("rc1"), "other").status == 422);
+  CHECK(f.ran() == 1);
+  const std::string after = c.send("GET", "/metrics").body;
+  // The first replay reads the record from the file and keeps it; the other two and the reuse
+  // check are answered from memory.
+  CHECK(counter_of(before, "idem_replay_cache_hits_total") == 0);
+  CHECK(counter_of(after, "idem_replay_cache_hits_total") == 3);
+  CHECK(counter_of(after, "idem_replay_cache_entries") == 1);
+  CHECK(f.metrics().replayed == 3);
+  // Without the option, no cache and no cache lines.
+  Fixture plain;
+  CHECK(counter_of(HttpClient(plain.port()).send("GET", "/metrics").body,
+                   "idem_replay_cache_hits_total") == -1);
 }
 
 TEST_CASE(

@@ -22,6 +22,7 @@
 #include "idem/fingerprint.hpp"
 #include "idem/internal/sqlite.hpp"  // idem's RAII wrappers over sqlite3, for /_fixture/corrupt
 #include "idem/key.hpp"
+#include "idem/replay_cache.hpp"
 #include "idem/sqlite_store.hpp"
 
 namespace idem::demo {
@@ -162,6 +163,7 @@ std::variant<Controls, Reply> controls_of(const Request& req) {
 
 struct ConformanceApp::Impl {
   ConformanceOptions options;
+  std::shared_ptr<ReplayCache> replay_cache;  // ConformanceOptions::replay_cache_bytes; else null
   std::unique_ptr<Coordinator> idem;
   std::unique_ptr<http::Layer> layer;
   std::atomic<long long> counter{0};  // written on the io thread, read by any
@@ -201,8 +203,13 @@ struct ConformanceApp::Impl {
     idem_options.max_wait = options.fixture.max_wait;
     idem_options.inline_body_limit = std::size_t{1} << 20;
     idem_options.payload_store = std::make_shared<FilePayloadStore>(options.db + ".payloads");
-    idem = std::make_unique<Coordinator>(std::make_shared<SqliteStore>(options.db),
-                                         std::move(idem_options));
+    std::shared_ptr<Store> store = std::make_shared<SqliteStore>(options.db);
+    if (options.replay_cache_bytes > 0) {
+      replay_cache = std::make_shared<ReplayCache>(
+          store, ReplayCacheOptions{.max_bytes = options.replay_cache_bytes});
+      store = replay_cache;
+    }
+    idem = std::make_unique<Coordinator>(std::move(store), std::move(idem_options));
     http::LayerOptions layer_options;
     layer_options.in_flight = options.policy;
     layer_options.replayed_header = options.fixture.replayed_header;
@@ -452,8 +459,11 @@ net::awaitable<Reply> ConformanceApp::handle(Request req, Peer peer) {
     co_return body_reply(200, R"({"status":"ok"})", "application/json");
   if (path == "/idempotency" && req.method() == bh::verb::get)
     co_return body_reply(200, d.layer->policy(), "application/json");
-  if (path == "/metrics" && req.method() == bh::verb::get)
-    co_return body_reply(200, d.idem->metrics().to_prometheus(), "text/plain; version=0.0.4");
+  if (path == "/metrics" && req.method() == bh::verb::get) {
+    std::string text = d.idem->metrics().to_prometheus();
+    if (d.replay_cache) text += d.replay_cache->to_prometheus();
+    co_return body_reply(200, std::move(text), "text/plain; version=0.0.4");
+  }
   if (path == "/reset") {
     if (req.method() != bh::verb::post) co_return method_not_allowed("POST");
     d.counter = 0;

@@ -76,6 +76,9 @@ struct ConformanceOptions {
   // in the same file). No lease, no expiry, no headers kept: a floor for scripts/bench's http
   // section, not a guarantee (a crash mid-request leaves its key in flight for ever).
   bool handwritten = false;
+  // Completed records held in memory in front of the store (idem::ReplayCache), in bytes;
+  // 0: none. Its counters join /metrics.
+  std::size_t replay_cache_bytes = 0;
 };
 
 class ConformanceApp final : public App {

@@ -69,9 +69,10 @@ struct Server::Impl {
 
   explicit Impl(ServerOptions o) : options(std::move(o)) {
     if (options.app == AppKind::conformance) {
-      fixture = std::make_unique<ConformanceApp>(ConformanceOptions{
-          options.api.db, options.api.policy, options.api.fail_closed, options.idempotency_layer,
-          options.api.ttl, options.api.lease, options.fixture, options.handwritten});
+      fixture = std::make_unique<ConformanceApp>(
+          ConformanceOptions{options.api.db, options.api.policy, options.api.fail_closed,
+                             options.idempotency_layer, options.api.ttl, options.api.lease,
+                             options.fixture, options.handwritten, options.api.replay_cache_bytes});
       app = fixture.get();
     } else {
       payments = std::make_unique<PaymentsApi>(options.api);

@@ -73,11 +73,14 @@ HttpReq http_get(const std::string& target) {
   return req;
 }
 
-// How a server guards its routes.
-enum class Guard { layer, handwritten, bare };
+// How a server guards its routes (cached: the layer over idem::ReplayCache).
+enum class Guard { layer, cached, handwritten, bare };
 
 const char* name_of(Guard g) {
-  return g == Guard::layer ? "layer" : g == Guard::handwritten ? "by hand" : "bare";
+  return g == Guard::layer         ? "layer"
+         : g == Guard::cached      ? "layer + replay cache"
+         : g == Guard::handwritten ? "by hand"
+                                   : "bare";
 }
 
 // The server on its own thread, on a fresh database; stopped and joined however the bench
@@ -100,9 +103,11 @@ class ServerThread {
     demo::ServerOptions o;
     o.port = 0;
     o.app = demo::AppKind::conformance;
-    o.idempotency_layer = guard == Guard::layer;
+    o.idempotency_layer = guard == Guard::layer || guard == Guard::cached;
     o.handwritten = guard == Guard::handwritten;
+    if (guard == Guard::cached) o.api.replay_cache_bytes = std::size_t{64} << 20;
     o.api.db = dir + (guard == Guard::layer         ? "/http-layer.db"
+                      : guard == Guard::cached      ? "/http-cached.db"
                       : guard == Guard::handwritten ? "/http-hand.db"
                                                     : "/http-bare.db");
     for (const char* suffix : {"", "-wal", "-shm"}) std::filesystem::remove(o.api.db + suffix);
@@ -364,10 +369,11 @@ json run_http(bool quick, const std::string& dir, std::ostream* human) {
       static_cast<double>(duration.count()) / 1000, pairs, pairs == 1 ? "" : "s"));
   json out = json::object();
   json& h = out["http"];
-  ServerThread layer_server(dir, Guard::layer), hand_server(dir, Guard::handwritten),
-      bare_server(dir, Guard::bare);
+  ServerThread layer_server(dir, Guard::layer), cached_server(dir, Guard::cached),
+      hand_server(dir, Guard::handwritten), bare_server(dir, Guard::bare);
   // Clients close their connections before their servers stop (declared after them).
-  Client layer(layer_server.port()), hand(hand_server.port()), bare(bare_server.port());
+  Client layer(layer_server.port()), cached(cached_server.port()), hand(hand_server.port()),
+      bare(bare_server.port());
   struct Server {
     Guard guard;
     Client& client;
@@ -395,20 +401,27 @@ json run_http(bool quick, const std::string& dir, std::ostream* human) {
     for (const Server& s : servers)
       h[name_of(s.guard)]["fresh"][std::to_string(width)] = first[width][s.guard].json();
   }
-  // Replays: the layer's stored answer against the bare server answering the same request
-  // again (its no-op handler runs each time).
-  std::map<std::size_t, std::vector<double>> replay_vs_bare;
+  // Replays: the layer's stored answer (read from the store, or from the replay cache)
+  // against the bare server answering the same request again (its no-op handler runs each
+  // time).
+  std::map<std::size_t, std::vector<double>> replay_vs_bare, cached_vs_bare;
   std::map<std::size_t, std::pair<Stats, Stats>> first_replay;
+  std::map<std::size_t, Stats> first_cached;
   for (int round = 0; round < pairs; ++round) {
     for (const std::size_t width : widths) {
       const Stats l = replay(layer, fmt::format("layer #{}", round), true, width, duration);
+      const Stats c = replay(cached, fmt::format("cached #{}", round), true, width, duration);
       const Stats b = replay(bare, fmt::format("bare #{}", round), false, width, duration);
       replay_vs_bare[width].push_back(l.per_s / b.per_s);
+      cached_vs_bare[width].push_back(c.per_s / b.per_s);
       if (round == 0) {
         line(label("layer: replays", width), l);
+        line(label("layer + replay cache: replays", width), c);
         line(label("bare: repeats, each runs again", width), b);
         first_replay[width] = {l, b};
+        first_cached[width] = c;
         h["layer"]["replay"][std::to_string(width)] = l.json();
+        h["cached"]["replay"][std::to_string(width)] = c.json();
         h["bare"]["replay"][std::to_string(width)] = b.json();
       }
     }
@@ -423,7 +436,8 @@ json run_http(bool quick, const std::string& dir, std::ostream* human) {
               {"layer_vs_handwritten_pairs_1", vs_hand[1]},
               {"layer_vs_noop_pairs_64", vs_bare[64]},
               {"replay_vs_noop_pairs_64", replay_vs_bare[64]},
-              {"replay_vs_noop_pairs_1", replay_vs_bare[1]}};
+              {"replay_vs_noop_pairs_1", replay_vs_bare[1]},
+              {"replay_cache_vs_noop_pairs_64", cached_vs_bare[64]}};
   out["http_fresh_requests_per_s"] = first[64][Guard::layer].per_s;
   out["http_handwritten_fresh_requests_per_s"] = first[64][Guard::handwritten].per_s;
   out["http_noop_requests_per_s"] = first[64][Guard::bare].per_s;
@@ -432,6 +446,8 @@ json run_http(bool quick, const std::string& dir, std::ostream* human) {
   out["http_layer_vs_handwritten_ratio_1conn"] = median(vs_hand[1]);
   out["http_layer_vs_noop_ratio"] = median(vs_bare[64]);
   out["http_replay_vs_noop_ratio"] = median(replay_vs_bare[64]);
+  out["http_replay_cache_requests_per_s"] = first_cached[64].per_s;
+  out["http_replay_cache_vs_noop_ratio"] = median(cached_vs_bare[64]);
   // What the layer adds to one request over answering it bare, one connection.
   const Stats& l1 = first[1][Guard::layer];
   const Stats& b1 = first[1][Guard::bare];
@@ -440,12 +456,14 @@ json run_http(bool quick, const std::string& dir, std::ostream* human) {
   if (human != nullptr) {
     *human << fmt::format(
         "  medians of {} rounds: layer / by hand {:.2f} at 64 connections, {:.2f} at one; layer / "
-        "bare {:.2f} at 64; replays / bare {:.2f} at 64; the layer adds {:.0f} us at p50 and "
+        "bare {:.2f} at 64; replays / bare {:.2f} at 64 ({:.2f} with the replay cache); the layer "
+        "adds {:.0f} us at p50 and "
         "{:.0f} us at p99 to one connection's request\n",
         pairs, out["http_layer_vs_handwritten_ratio"].get<double>(),
         out["http_layer_vs_handwritten_ratio_1conn"].get<double>(),
         out["http_layer_vs_noop_ratio"].get<double>(),
         out["http_replay_vs_noop_ratio"].get<double>(),
+        out["http_replay_cache_vs_noop_ratio"].get<double>(),
         out["http_layer_added_p50_us_1conn"].get<double>(),
         out["http_layer_added_p99_us_1conn"].get<double>());
   }
