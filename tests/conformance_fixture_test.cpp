@@ -424,16 +424,12 @@ TEST_CASE(
 TEST_CASE(
     "conformance fixture: with --replay-cache-mb a replay is answered from memory, the handler "
     "ran once and /metrics counts the cache") {
-  // The cache's counters as /metrics prints them (-1: the line is not there).
-  auto counter_of = [](const std::string& text, const std::string& name) {
-    const std::size_t at = text.find("\n" + name + " ");
-    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + name.size() + 2));
-  };
+  using idem::test::prometheus_parsed;
   Fixture f({}, idem::InFlight::raise, std::size_t{1} << 20);
   HttpClient c(f.port());
   const HttpReply first = c.send("POST", "/resources", key("rc1"), "x");
   REQUIRE(first.status == 201);
-  const std::string before = c.send("GET", "/metrics").body;
+  const json before = prometheus_parsed(c.send("GET", "/metrics").body);
   for (int i = 0; i < 3; ++i) {
     CAPTURE(i);
     const HttpReply again = c.send("POST", "/resources", key("rc1"), "x");
@@ -443,17 +439,18 @@ TEST_CASE(
   }
   CHECK(c.send("POST", "/resources", key("rc1"), "other").status == 422);
   CHECK(f.ran() == 1);
-  const std::string after = c.send("GET", "/metrics").body;
+  const json after = prometheus_parsed(c.send("GET", "/metrics").body);
   // The first replay reads the record from the file and keeps it; the other two and the reuse
   // check are answered from memory.
-  CHECK(counter_of(before, "idem_replay_cache_hits_total") == 0);
-  CHECK(counter_of(after, "idem_replay_cache_hits_total") == 3);
-  CHECK(counter_of(after, "idem_replay_cache_entries") == 1);
+  CHECK(before.at("counters").at("idem_replay_cache_hits_total") == 0);
+  CHECK(after.at("counters").at("idem_replay_cache_hits_total") == 3);
+  CHECK(after.at("gauges").at("idem_replay_cache_entries") == 1);
   CHECK(f.metrics().replayed == 3);
   // Without the option, no cache and no cache lines.
   Fixture plain;
-  CHECK(counter_of(HttpClient(plain.port()).send("GET", "/metrics").body,
-                   "idem_replay_cache_hits_total") == -1);
+  CHECK_FALSE(prometheus_parsed(HttpClient(plain.port()).send("GET", "/metrics").body)
+                  .at("counters")
+                  .contains("idem_replay_cache_hits_total"));
 }
 
 TEST_CASE(

@@ -2,7 +2,7 @@
 client's text-format parser, python3-prometheus-client) and checks every histogram in it:
 bucket bounds ascending and ending in +Inf, cumulative counts never falling, the +Inf bucket
 equal to _count, and _sum not negative. Prints JSON for the caller to assert on:
-  {"counters": {name: value}, "histograms": {name: {labels: {"count": n, "sum": s,
+  {"counters": {name: value}, "gauges": {name: value}, "histograms": {name: {labels: {"count": n, "sum": s,
    "buckets": [[le, cumulative], ...]}}}}
 where `labels` is the series' labels other than le, as "k=v,k=v" (empty when none).
 Exits 1, naming the series, on the first inconsistency; 2 when the text does not parse."""
@@ -25,11 +25,11 @@ def main():
     except Exception as e:  # the parser's own complaint
         print(f"does not parse: {e}", file=sys.stderr)
         sys.exit(2)
-    out = {"counters": {}, "histograms": {}}
+    out = {"counters": {}, "gauges": {}, "histograms": {}}
     for family in families:
-        if family.type == "counter":
+        if family.type in ("counter", "gauge"):
             for s in family.samples:
-                out["counters"][s.name] = s.value
+                out[family.type + "s"][s.name] = s.value
         if family.type != "histogram":
             continue
         series = {}
