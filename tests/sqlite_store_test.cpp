@@ -127,7 +127,10 @@ INSERT INTO idem_keys VALUES ('alpha', 'payment.charge', 'held', zeroblob(32), 1
   CHECK(
       raw.text("SELECT sql FROM sqlite_master WHERE name = 'idem_keys'").find("BETWEEN 1 AND 3") !=
       std::string::npos);
-  CHECK(raw.scalar("SELECT count(*) FROM sqlite_master WHERE name = 'idem_keys_expiry'") == 1);
+  // v5: the expiry index gave way to idem_due, one entry per record at its expires_at.
+  CHECK(raw.scalar("SELECT count(*) FROM sqlite_master WHERE name = 'idem_keys_expiry'") == 0);
+  CHECK(raw.scalar("SELECT count(*) FROM idem_due d JOIN idem_keys k USING (tenant, operation, "
+                   "key) WHERE d.due_at = k.expires_at") == 2);
   CHECK(raw.rows() == 2);
   // The constraint still holds after the rebuild.
   CHECK(raw.exec("UPDATE idem_keys SET state = 4") != SQLITE_OK);
@@ -147,6 +150,106 @@ INSERT INTO idem_keys VALUES ('alpha', 'payment.charge', 'held', zeroblob(32), 1
   CHECK(held->token == 8);
   CHECK(held->lease_until == t0 + 30s);
   CHECK(held->recovery_point == "step-2");
+}
+
+// The due times (lib/src/sql.hpp, migration v5): what the request path writes, and how
+// maintenance moves and takes the entries.
+namespace {
+long long ms_at(idem::TimePoint t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+}
+// The record's due entries as "t1,t2,..." in milliseconds after T0.
+std::string due_after_t0(RawDb& raw, const idem::KeyId& id) {
+  return raw.text(fmt::format(
+      "SELECT coalesce(group_concat(due_at - {}, ','), '') FROM (SELECT due_at FROM idem_due "
+      "WHERE tenant = '{}' AND operation = '{}' AND key = '{}' ORDER BY due_at)",
+      ms_at(T0), id.tenant, id.operation, id.key));
+}
+}  // namespace
+
+TEST_CASE(
+    "sqlite_store: a completion writes its record's page only, and purge moves the kept "
+    "record's due entry once, then deletes the record at its TTL's end") {
+  TempDir dir;
+  const std::string path = dir.file("k.db");
+  idem::SqliteStore s(path);
+  RawDb raw(path);
+  const Reservation r = reserve_at(s, T0);
+  CHECK(due_after_t0(raw, kId) == "30000");  // the lease's end
+  const long long before = wal_frames(path);
+  CHECK(s.complete(kId, r.token, response("ch_1"), T0 + 1h));
+  // One page: the record's. The due entry stays where the reservation put it.
+  CHECK(wal_frames(path) - before == 1);
+  CHECK(due_after_t0(raw, kId) == "30000");
+  // Past the lease, before the TTL: nothing to delete; the entry moves to the TTL's end.
+  CHECK(s.purge_expired(T0 + 1min, 10) == 0);
+  CHECK(due_after_t0(raw, kId) == "3600000");
+  CHECK(s.load(kId)->response.body == "ch_1");
+  CHECK(s.purge_expired(T0 + 1h - 1ms, 10) == 0);
+  CHECK(s.purge_expired(T0 + 1h, 10) == 1);
+  CHECK_FALSE(s.load(kId));
+  CHECK(raw.scalar("SELECT count(*) FROM idem_due") == 0);
+}
+
+TEST_CASE(
+    "sqlite_store: a write that makes a record end sooner adds a due entry, a renewal adds "
+    "none, and the reaper waits for the renewed lease") {
+  TempDir dir;
+  const std::string path = dir.file("k.db");
+  idem::SqliteStore s(path);
+  RawDb raw(path);
+  const Reservation r = reserve_at(s, T0);
+  CHECK(s.renew(kId, r.token, T0 + 10min));
+  CHECK(due_after_t0(raw, kId) == "30000");
+  // Past the first lease's end, not the renewed one's: the entry moves, nothing is reaped.
+  CHECK(s.reap(T0 + 6min, 10).empty());
+  CHECK(due_after_t0(raw, kId) == "600000");
+  // A release ends the record now: an entry at the release time, taken by the next purge.
+  CHECK(s.release(kId, r.token, T0 + 7min));
+  CHECK(due_after_t0(raw, kId) == "420000,600000");
+  CHECK(s.purge_expired(T0 + 7min, 10) == 1);
+  // The other entry's record is gone: it is dropped when its time comes.
+  CHECK(due_after_t0(raw, kId) == "600000");
+  CHECK(s.purge_expired(T0 + 10min, 10) == 0);
+  CHECK(raw.scalar("SELECT count(*) FROM idem_due") == 0);
+
+  const Reservation again = reserve_at(s, T0 + 11min);
+  CHECK(s.reap(T0 + 11min + 30s, 10).empty());
+  const auto reaped = s.reap(T0 + 11min + 30s + 1ms, 10);
+  REQUIRE(reaped.size() == 1);
+  CHECK(reaped[0].token == again.token);
+  CHECK(raw.scalar("SELECT count(*) FROM idem_due") == 0);
+}
+
+TEST_CASE(
+    "sqlite_store: purge walks a backlog of kept records in batches, moving each entry once and "
+    "deleting exactly the dead ones") {
+  TempDir dir;
+  const std::string path = dir.file("k.db");
+  idem::SqliteStore s(path);
+  RawDb raw(path);
+  auto key = [](int i) { return idem::KeyId{"alpha", "op", fmt::format("k{:03}", i)}; };
+  // 250 records: every third kept for an hour, the others for two minutes.
+  for (int i = 0; i < 250; ++i) {
+    const Reservation r = reserve_at(s, T0, kFp, key(i));
+    REQUIRE(s.complete(key(i), r.token, response("x"), T0 + (i % 3 == 0 ? 1h : 2min)));
+  }
+  // At +1 min every entry is due (the leases ended) and no record is dead: 250 entries are
+  // looked at, in batches of 100, and each moves to its record's TTL end.
+  CHECK(s.purge_expired(T0 + 1min, 100) == 0);
+  CHECK(raw.scalar(fmt::format("SELECT count(*) FROM idem_due WHERE due_at = {}",
+                               ms_at(T0 + 2min))) == 166);
+  CHECK(raw.scalar(
+            fmt::format("SELECT count(*) FROM idem_due WHERE due_at = {}", ms_at(T0 + 1h))) == 84);
+  // At +3 min: 166 dead, taken 100 then 66; the kept ones are not due yet.
+  CHECK(s.purge_expired(T0 + 3min, 100) == 100);
+  CHECK(s.purge_expired(T0 + 3min, 100) == 66);
+  CHECK(s.purge_expired(T0 + 3min, 100) == 0);
+  for (int i = 0; i < 250; ++i) {
+    CAPTURE(i);
+    CHECK(s.load(key(i)).has_value() == (i % 3 == 0));
+  }
+  CHECK(raw.scalar("SELECT count(*) FROM idem_due") == 84);
 }
 
 TEST_CASE("sqlite_store: an unopenable path is a StoreError with SQLite's code") {

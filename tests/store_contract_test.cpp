@@ -331,6 +331,22 @@ TEST_CASE_TEMPLATE("store contract: reap clears reservations whose lease ended l
   CHECK(s->reap(T0 + 6min, 100).empty());
 }
 
+TEST_CASE_TEMPLATE("store contract: a renewed lease is reaped only once the renewed lease ended", E,
+                   SqliteEngine, PgEngine) {
+  E engine;
+  IDEM_ENGINE_OR_SKIP(engine);
+  const auto s = engine.open();
+  const Reservation r = reserve_at(*s, T0);
+  CHECK(s->renew(kId, r.token, T0 + 10min));
+  CHECK(s->reap(T0 + 6min, 100).empty());
+  CHECK(s->load(kId)->state == State::in_progress);
+  CHECK(s->reap(T0 + 10min, 100).empty());
+  const auto reaped = s->reap(T0 + 10min + 1ms, 100);
+  REQUIRE(reaped.size() == 1);
+  CHECK(reaped[0].lease_until == T0 + 10min);
+  CHECK_FALSE(s->load(kId));
+}
+
 TEST_CASE_TEMPLATE("store contract: group commit: apply gives each op its own outcome", E,
                    SqliteEngine, PgEngine) {
   E engine;

@@ -10,7 +10,7 @@ namespace idem::sql {
 
 // Migrations, applied in order inside one BEGIN IMMEDIATE transaction; the database's
 // PRAGMA user_version is how many have run. Append, never edit.
-inline constexpr std::array<std::string_view, 4> kMigrations = {
+inline constexpr std::array<std::string_view, 5> kMigrations = {
     // v1: one record per (tenant, operation, key). state: 1 in_progress, 2 completed,
     // 3 released. Times are milliseconds since the Unix epoch. expires_at is when the
     // record stops counting (the lease's end while in progress, the TTL's end once
@@ -88,6 +88,35 @@ CREATE INDEX idem_outbox_due ON idem_outbox (state, next_at);
     // was lost can tell its own reservation from another's.
     R"sql(
 ALTER TABLE idem_keys ADD COLUMN claim INTEGER;
+)sql",
+    // v5: the expiry index becomes a table of due times that a completion does not touch. The
+    // index moved a record's entry from its lease's end to its TTL's end on every completion
+    // (and on every renewal): two more index pages in the completion's commit, on the request
+    // path. idem_due holds, for each record, at least one time no later than its expires_at:
+    // the triggers add one whenever a write makes expires_at earlier than it was (or inserts
+    // a record), and nothing else on the request path writes here. Maintenance takes the due
+    // entries in time order (sql::kDueScan) and, for each, deletes the record if it is dead,
+    // reaps it if its lease ended long ago, or moves the entry to the record's expires_at when
+    // that is later (a completed record's entry, made at its reservation, moves once, in a
+    // batch of neighbouring entries; a renewed lease's entry moves once per lease at most).
+    // An entry whose record is gone is dropped when its time comes.
+    R"sql(
+CREATE TABLE idem_due (
+  due_at    INTEGER NOT NULL,
+  tenant    TEXT    NOT NULL,
+  operation TEXT    NOT NULL,
+  key       TEXT    NOT NULL,
+  PRIMARY KEY (due_at, tenant, operation, key)
+) STRICT, WITHOUT ROWID;
+INSERT INTO idem_due SELECT expires_at, tenant, operation, key FROM idem_keys;
+DROP INDEX idem_keys_expiry;
+CREATE TRIGGER idem_keys_due_on_insert AFTER INSERT ON idem_keys BEGIN
+  INSERT OR IGNORE INTO idem_due VALUES (NEW.expires_at, NEW.tenant, NEW.operation, NEW.key);
+END;
+CREATE TRIGGER idem_keys_due_sooner AFTER UPDATE OF expires_at ON idem_keys
+WHEN NEW.expires_at < OLD.expires_at BEGIN
+  INSERT OR IGNORE INTO idem_due VALUES (NEW.expires_at, NEW.tenant, NEW.operation, NEW.key);
+END;
 )sql",
 };
 
@@ -226,22 +255,30 @@ INSERT INTO idem_keys (tenant, operation, key, fingerprint, state, token, lease_
 VALUES (?1, ?2, ?3, ?4, 2, ?5, ?6, ?6, ?7, ?8, ?9, ?10, ?11)
 ON CONFLICT (tenant, operation, key) DO NOTHING)sql";
 
-// ?1 now ?2 limit
-inline constexpr std::string_view kPurge = R"sql(
-DELETE FROM idem_keys
-WHERE (tenant, operation, key) IN (
-  SELECT tenant, operation, key FROM idem_keys
-  WHERE expires_at <= ?1 AND state <> 1
-  ORDER BY expires_at LIMIT ?2))sql";
+// Maintenance's walk over idem_due (see migration v5): ?1 the latest due time taken ?2..?5 the
+// last entry of the previous batch (0, '', '', '' for the first) ?6 limit. Each entry with its
+// record's state, token, lease_until, expires_at and whether it has progress (NULLs when the
+// record is gone).
+inline constexpr std::string_view kDueScan = R"sql(
+SELECT d.due_at, d.tenant, d.operation, d.key, k.state, k.token, k.lease_until, k.expires_at,
+       k.progress IS NOT NULL
+FROM idem_due d LEFT JOIN idem_keys k
+  ON k.tenant = d.tenant AND k.operation = d.operation AND k.key = d.key
+WHERE d.due_at <= ?1 AND (d.due_at, d.tenant, d.operation, d.key) > (?2, ?3, ?4, ?5)
+ORDER BY d.due_at, d.tenant, d.operation, d.key LIMIT ?6)sql";
 
-// ?1 lease ended before ?2 limit
-inline constexpr std::string_view kReap = R"sql(
-DELETE FROM idem_keys
-WHERE (tenant, operation, key) IN (
-  SELECT tenant, operation, key FROM idem_keys
-  WHERE expires_at < ?1 AND state = 1 AND progress IS NULL
-  ORDER BY expires_at LIMIT ?2)
-RETURNING tenant, operation, key, token, lease_until)sql";
+// ?1 due_at ?2..?4 the key
+inline constexpr std::string_view kDueDelete = R"sql(
+DELETE FROM idem_due WHERE due_at = ?1 AND tenant = ?2 AND operation = ?3 AND key = ?4)sql";
+
+// ?1 due_at ?2..?4 the key. Another entry of the record may be there already.
+inline constexpr std::string_view kDueInsert = R"sql(
+INSERT INTO idem_due (due_at, tenant, operation, key) VALUES (?1, ?2, ?3, ?4)
+ON CONFLICT DO NOTHING)sql";
+
+// ?1..?3 the key ?4 token: purge and the reaper delete the record they read.
+inline constexpr std::string_view kDeleteRecord = R"sql(
+DELETE FROM idem_keys WHERE tenant = ?1 AND operation = ?2 AND key = ?3 AND token = ?4)sql";
 
 // migrate_sqlite_to_pg (idem/migrate.hpp) reads the store with these.
 // The tables an idem store has (2 in one of schema version 3 or later).

@@ -20,10 +20,10 @@ std::int64_t integer(const sqlite::Statement& s, int column, std::string_view na
 
 }  // namespace
 
-void bind_id(sqlite::Statement& s, const KeyId& id) {
-  s.bind(1, id.tenant);
-  s.bind(2, id.operation);
-  s.bind(3, id.key);
+void bind_id(sqlite::Statement& s, const KeyId& id, int first) {
+  s.bind(first, id.tenant);
+  s.bind(first + 1, id.operation);
+  s.bind(first + 2, id.key);
 }
 
 void bind_fingerprint(sqlite::Statement& s, int index, const Fingerprint& fp) {

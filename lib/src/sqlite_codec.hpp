@@ -12,8 +12,8 @@
 
 namespace idem::detail {
 
-// Binds tenant ?1, operation ?2, key ?3.
-void bind_id(sqlite::Statement& s, const KeyId& id);
+// Binds tenant, operation and key to ?first, ?first+1 and ?first+2 (default ?1..?3).
+void bind_id(sqlite::Statement& s, const KeyId& id, int first = 1);
 void bind_fingerprint(sqlite::Statement& s, int index, const Fingerprint& fp);
 
 // Binds status ?first, headers ?first+1, body ?first+2, body_ref ?first+3. The strings

@@ -7,6 +7,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <unordered_set>
 
 #include "fair_mutex.hpp"
 #include "idem/errors.hpp"
@@ -126,7 +127,9 @@ struct SqliteStore::Impl {
   sqlite::Connection db;
   sqlite::TransactionStatements tx;
   // Every statement, prepared once when the store opens and reused.
-  Statement reserve, replace_dead, load, complete, release, renew, insert_completed, purge, reap;
+  Statement reserve, replace_dead, load, complete, release, renew, insert_completed;
+  // Maintenance's walk over the due times (purge and the reaper).
+  Statement due_scan, due_delete, due_insert, delete_record;
   // Multi-step operations and the outbox.
   Statement has_progress, load_progress, begin_steps, mark_pending, set_progress, abandoned,
       outbox_insert, outbox_any_due, outbox_claim, outbox_delivered, outbox_failed, outbox_counts,
@@ -153,8 +156,10 @@ struct SqliteStore::Impl {
         release(db.get(), sql::kRelease),
         renew(db.get(), sql::kRenew),
         insert_completed(db.get(), sql::kInsertCompleted),
-        purge(db.get(), sql::kPurge),
-        reap(db.get(), sql::kReap),
+        due_scan(db.get(), sql::kDueScan),
+        due_delete(db.get(), sql::kDueDelete),
+        due_insert(db.get(), sql::kDueInsert),
+        delete_record(db.get(), sql::kDeleteRecord),
         has_progress(db.get(), sql::kHasProgress),
         load_progress(db.get(), sql::kLoadProgress),
         begin_steps(db.get(), sql::kBeginSteps),
@@ -234,6 +239,102 @@ struct SqliteStore::Impl {
   static bool changed(Statement& s) {
     s.step();
     return s.changes() == 1;
+  }
+
+  // ---- maintenance: the due times (sql.hpp, migration v5) ----
+
+  // A due entry and its record as kDueScan read them.
+  struct Due {
+    std::int64_t due_at = 0;
+    KeyId id;
+    bool present = false;  // the record is still there
+    State state = State::in_progress;
+    std::int64_t token = 0, lease_until = 0, expires_at = 0;
+    bool progress = false;
+  };
+
+  // Takes the entries of idem_due due at or before `until` in time order, in short
+  // transactions of at most `limit` entries each, until `take` has taken `limit` records or no
+  // entry is left. For each entry: its record gone, the entry is dropped; its record's
+  // expires_at after `until`, the entry moves there (nothing is due yet); otherwise
+  // `take(due)` says whether to delete the record (with the entry) or leave both. Returns how
+  // many records it deleted. Each batch holds the lock for one transaction only, so calls wait
+  // for one batch at most.
+  template <class Take>
+  std::size_t sweep_due(std::int64_t until, std::size_t limit, Take take) {
+    std::size_t taken = 0;
+    Due after;  // the last entry looked at (0, '', '', '' at first)
+    for (bool more = true; more && taken < limit;) {
+      write([&] {
+        std::vector<Due> batch = scan_due(until, after, limit);
+        more = batch.size() == limit;
+        if (batch.empty()) return;
+        sqlite::Transaction t(tx);
+        std::unordered_set<KeyId, KeyIdHash> deleted;  // a record may have several entries
+        for (Due& d : batch) {
+          if (taken == limit) {
+            more = true;
+            break;
+          }
+          after.due_at = d.due_at;
+          after.id = d.id;
+          if (!d.present || deleted.contains(d.id)) {
+            drop_due(d.due_at, d.id);
+          } else if (d.expires_at > until) {
+            insert_due(d.expires_at, d.id);
+            drop_due(d.due_at, d.id);
+          } else if (take(d)) {
+            ResetGuard reset(delete_record);
+            detail::bind_id(delete_record, d.id);
+            delete_record.bind(4, d.token);
+            if (!changed(delete_record))
+              throw StoreError("sqlite: purge: record changed inside its transaction", 0);
+            drop_due(d.due_at, d.id);
+            deleted.insert(std::move(d.id));
+            ++taken;
+          }
+        }
+        t.commit();
+      });
+    }
+    return taken;
+  }
+
+  std::vector<Due> scan_due(std::int64_t until, const Due& after, std::size_t limit) {
+    Statement& s = due_scan;
+    ResetGuard reset(s);
+    s.bind(1, until);
+    s.bind(2, after.due_at);
+    detail::bind_id(s, after.id, 3);
+    s.bind(6, static_cast<std::int64_t>(limit));
+    std::vector<Due> out;
+    while (s.step()) {
+      Due& d = out.emplace_back();
+      d.due_at = s.int64(0);
+      d.id = KeyId{s.text(1), s.text(2), s.text(3)};
+      d.present = !s.is_null(4);
+      if (!d.present) continue;
+      d.state = static_cast<State>(s.int64(4));
+      d.token = s.int64(5);
+      d.lease_until = s.int64(6);
+      d.expires_at = s.int64(7);
+      d.progress = s.int64(8) != 0;
+    }
+    return out;
+  }
+
+  void drop_due(std::int64_t due_at, const KeyId& id) {
+    ResetGuard reset(due_delete);
+    due_delete.bind(1, due_at);
+    detail::bind_id(due_delete, id, 2);
+    due_delete.step();
+  }
+
+  void insert_due(std::int64_t due_at, const KeyId& id) {
+    ResetGuard reset(due_insert);
+    due_insert.bind(1, due_at);
+    detail::bind_id(due_insert, id, 2);
+    due_insert.step();
   }
 
   // ---- writes, inside a transaction the caller holds ----
@@ -468,29 +569,19 @@ std::optional<Record> SqliteStore::load(const KeyId& id) {
 }
 
 std::size_t SqliteStore::purge_expired(TimePoint now, std::size_t limit) {
-  return impl_->write([&]() -> std::size_t {
-    Statement& s = impl_->purge;
-    ResetGuard reset(s);
-    s.bind(1, detail::ms(now));
-    s.bind(2, static_cast<std::int64_t>(limit));
-    s.step();
-    return static_cast<std::size_t>(s.changes());
-  });
+  return impl_->sweep_due(detail::ms(now), limit,
+                          [](const Impl::Due& d) { return d.state != State::in_progress; });
 }
 
 std::vector<ReapedRecord> SqliteStore::reap(TimePoint lease_ended_before, std::size_t limit) {
-  return impl_->write([&]() -> std::vector<ReapedRecord> {
-    Statement& s = impl_->reap;
-    ResetGuard reset(s);
-    s.bind(1, detail::ms(lease_ended_before));
-    s.bind(2, static_cast<std::int64_t>(limit));
-    std::vector<ReapedRecord> out;
-    while (s.step()) {
-      KeyId id{s.text(0), s.text(1), s.text(2)};
-      out.push_back({short_hash(id), id.operation, s.int64(3), detail::at_ms(s.int64(4))});
-    }
-    return out;
+  std::vector<ReapedRecord> out;
+  // In progress, expires_at is the lease's end.
+  impl_->sweep_due(detail::ms(lease_ended_before) - 1, limit, [&](const Impl::Due& d) {
+    if (d.state != State::in_progress || d.progress) return false;  // progress: the completer's
+    out.push_back({short_hash(d.id), d.id.operation, d.token, detail::at_ms(d.lease_until)});
+    return true;
   });
+  return out;
 }
 
 // ---- multi-step operations and the outbox ----

@@ -353,7 +353,7 @@ class Pool {
   void begin(SimulatedClock& clock) {
     clock_.target = &clock;
     sqlite::Transaction tx(janitor_tx_);  // one commit for the three
-    for (auto* clear : {&clear_keys_, &clear_outbox_, &clear_orders_}) {
+    for (auto* clear : {&clear_keys_, &clear_due_, &clear_outbox_, &clear_orders_}) {
       sqlite::ResetGuard reset(**clear);
       (*clear)->step();
     }
@@ -440,6 +440,7 @@ class Pool {
     plain_ =
         std::make_unique<Provider>(clock_ptr_, ProviderOptions{.latency = 0ms, .dedup = false});
     clear_keys_.emplace(janitor_.get(), sql::kClearKeys);
+    clear_due_.emplace(janitor_.get(), sql::kClearDue);
     clear_outbox_.emplace(janitor_.get(), sql::kClearOutbox);
     clear_orders_.emplace(janitor_.get(), sql::kClearOrders);
     orders_.emplace(janitor_.get(), sql::kOrders);
@@ -459,7 +460,8 @@ class Pool {
   std::vector<std::shared_ptr<SqliteStore>> stores_;
   std::size_t taken_ = 0;
   std::unique_ptr<Provider> bank_, psp_, plain_;
-  std::optional<sqlite::Statement> clear_keys_, clear_outbox_, clear_orders_, orders_, oldest_;
+  std::optional<sqlite::Statement> clear_keys_, clear_due_, clear_outbox_, clear_orders_, orders_,
+      oldest_;
 };
 
 struct World;

@@ -17,6 +17,7 @@ inline constexpr std::string_view kPageSize = "PRAGMA page_size = 1024";
 inline constexpr std::string_view kCreateOrders =
     "CREATE TABLE IF NOT EXISTS sim_orders (order_key TEXT NOT NULL, charge_id TEXT NOT NULL)";
 inline constexpr std::string_view kClearKeys = "DELETE FROM idem_keys";
+inline constexpr std::string_view kClearDue = "DELETE FROM idem_due";
 inline constexpr std::string_view kClearOutbox = "DELETE FROM idem_outbox";
 inline constexpr std::string_view kClearOrders = "DELETE FROM sim_orders";
 // ?1 the operation's key ?2 the charge it paid with.
