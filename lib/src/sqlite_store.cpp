@@ -263,17 +263,18 @@ struct SqliteStore::Impl {
   template <class Take>
   std::size_t sweep_due(std::int64_t until, std::size_t limit, Take take) {
     std::size_t taken = 0;
-    Due after;  // the last entry looked at (0, '', '', '' at first)
-    for (bool more = true; more && taken < limit;) {
-      write([&] {
+    Due after;         // the last entry looked at (0, '', '', '' at first)
+    bool more = true;  // the last batch was full: entries may be left
+    while (more && taken < limit) {
+      more = write([&] {
         std::vector<Due> batch = scan_due(until, after, limit);
-        more = batch.size() == limit;
-        if (batch.empty()) return;
+        if (batch.empty()) return false;
+        bool full = batch.size() == limit;
         sqlite::Transaction t(tx);
         std::unordered_set<KeyId, KeyIdHash> deleted;  // a record may have several entries
         for (Due& d : batch) {
           if (taken == limit) {
-            more = true;
+            full = true;
             break;
           }
           after.due_at = d.due_at;
@@ -295,6 +296,7 @@ struct SqliteStore::Impl {
           }
         }
         t.commit();
+        return full;
       });
     }
     return taken;

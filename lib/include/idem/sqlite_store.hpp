@@ -44,7 +44,17 @@ struct SqliteOptions {
 // A Store on one SQLite database file in WAL mode, shared safely by threads of this
 // process (one connection behind a first-come-first-served lock) and by other processes
 // opening the same file. The schema is versioned with PRAGMA user_version and migrated on
-// open.
+// open, in one transaction; processes sharing a file run the same library version (an older
+// one refuses a newer schema). Version 5 fills its table of due times from every record, one
+// pass over the table.
+//
+// Purge and the reaper find their records through that table of due times, which the
+// request path writes once per reservation and a completion does not touch (so a
+// completion's commit writes its record's page only). purge_expired() and reap() take the
+// due entries in time order, in transactions of at most `limit` entries each (the lock is
+// held for one such batch at a time), until `limit` records are deleted or nothing is due. A
+// completed record is looked at twice: when its reservation's lease ends its entry moves to
+// the TTL's end (with its neighbours, a few pages per batch), and then it is deleted.
 //
 // A full disk is a StoreError with SQLITE_FULL ("database or disk is full"); what was
 // committed stays. From then on each write first tries, without waiting for other
