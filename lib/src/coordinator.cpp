@@ -117,6 +117,13 @@ CoordinatorCore::ChangeSubscription::~ChangeSubscription() {
   if (id_ != 0) store_.remove_change_listener(id_);
 }
 
+std::size_t CoordinatorCore::purge_batch(std::size_t batch) {
+  const std::size_t n =
+      latency.time(StoreCall::purge, [&] { return store->purge_expired(now(), batch); });
+  bump(counters.purged, n);
+  return n;
+}
+
 Call CoordinatorCore::prepare(const Request& r, bool steps) const {
   validate_key_part("tenant", r.tenant);
   validate_key_part("operation", r.operation);
@@ -213,13 +220,10 @@ std::vector<AbandonedOperation> Coordinator::abandoned(std::chrono::milliseconds
 
 std::size_t Coordinator::purge_expired(std::size_t batch) {
   detail::check(batch > 0, "purge_expired: batch must be at least 1");
-  detail::CoordinatorCore& core = *core_;
   std::size_t total = 0;
   for (;;) {
-    const std::size_t n = core.latency.time(
-        detail::StoreCall::purge, [&] { return core.store->purge_expired(core.now(), batch); });
+    const std::size_t n = core_->purge_batch(batch);
     total += n;
-    detail::bump(core.counters.purged, n);
     if (n < batch) return total;
   }
 }

@@ -75,6 +75,9 @@ class CoordinatorCore {
   // A reservation's claim (StoreOp::claim): never 0, never the same twice in this coordinator,
   // and unlike any other coordinator's but by a 2^-64 chance.
   std::int64_t new_claim();
+  // One purge transaction: deletes at most `batch` expired records, counted and timed; returns
+  // how many (fewer than `batch`: none expired is left).
+  std::size_t purge_batch(std::size_t batch);
 
   // One log event; the key appears only as its short hash.
   void log(LogLevel level, std::string_view event, const Call& call, std::int64_t token,

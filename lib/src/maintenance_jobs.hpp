@@ -122,6 +122,19 @@ struct MaintenanceJobs {
     guarded("purge", r, [&] { r.purged += coordinator.purge_expired(options.batch); });
     if (dispatcher) guarded("outbox_purge", r, [&] { r.outbox_purged += dispatcher->purge(); });
   }
+  // One batch of the purge; true when it was full (more may be expired).
+  bool purge_some(MaintenanceReport& r) {
+    bool full = false;
+    guarded("purge", r, [&] {
+      const std::size_t n = core().purge_batch(options.batch);
+      r.purged += n;
+      full = n == options.batch;
+    });
+    if (!full && dispatcher) {
+      guarded("outbox_purge", r, [&] { r.outbox_purged += dispatcher->purge(); });
+    }
+    return full;
+  }
   void reap(MaintenanceReport& r) {
     guarded("reap", r, [&] { r.reaped += coordinator.reap(options.batch).size(); });
   }
@@ -195,8 +208,15 @@ struct MaintenanceJobs {
         next_dispatch = clock.now() + o.dispatch_every;
       }
       if (now >= next_purge) {
-        d->purge(report);
-        next_purge = clock.now() + o.purge_every;
+        // A backlog goes one batch per turn, each followed by a pause three times as long as
+        // the batch took: the purge uses the disk at most a quarter of the time, so requests'
+        // commits and the checkpoints behind them are not queued behind a stream of deletes
+        // (scripts/bench, maintenance: the longest call with / without maintenance went from
+        // 5.05 flat out to 2.50 with a pause of one batch and 1.73 with three).
+        const TimePoint began = clock.now();
+        const bool more = d->purge_some(report);
+        const TimePoint ended = clock.now();
+        next_purge = more ? ended + 3 * (ended - began) : ended + o.purge_every;
       }
       if (now >= next_reap) {
         d->reap(report);

@@ -24,7 +24,9 @@ struct MaintenanceOptions {
   std::chrono::milliseconds complete_every{std::chrono::seconds(10)};
   std::chrono::milliseconds dispatch_every{std::chrono::seconds(1)};
   // Records per purge or reap transaction (short, so a request waits for the write lock at
-  // most one batch). Default: 100.
+  // most one batch). Default: 100. On the schedule, a purge backlog goes one batch per turn,
+  // each followed by a pause three times as long as the batch took (run_once() and
+  // Coordinator::purge_expired() purge flat out).
   std::size_t batch = 100;
   CompleterOptions completer{};
   OutboxOptions outbox{};
