@@ -684,6 +684,72 @@ TEST_CASE("maintenance: the loop runs the completer and the outbox on the clock 
   CHECK(shop.mails() == 1);
 }
 
+// A store whose purge takes `took` of simulated time and notes when each batch began.
+class SlowPurge final : public StoreWrapper {
+ public:
+  SlowPurge(std::shared_ptr<Store> inner, std::shared_ptr<sim::SimulatedClock> clock,
+            std::chrono::milliseconds took)
+      : StoreWrapper(std::move(inner)), clock_(std::move(clock)), took_(took) {}
+  std::vector<TimePoint> began;
+
+  std::size_t purge_expired(TimePoint now, std::size_t limit) override {
+    began.push_back(clock_->now());
+    clock_->advance(took_);
+    return StoreWrapper::purge_expired(now, limit);
+  }
+
+ private:
+  std::shared_ptr<sim::SimulatedClock> clock_;
+  std::chrono::milliseconds took_;
+};
+
+TEST_CASE(
+    "maintenance: the schedule purges a backlog one batch per turn, each batch followed by a "
+    "pause three times as long as it took") {
+  idem::test::TempDir dir;
+  auto clock = std::make_shared<sim::SimulatedClock>();
+  auto slow =
+      std::make_shared<SlowPurge>(std::make_shared<SqliteStore>(dir.file("keys.db")), clock, 20ms);
+  Options options;
+  options.ttl = 1min;
+  options.clock = clock;
+  Coordinator coordinator(slow, std::move(options));
+  for (int i = 0; i < 45; ++i) {
+    coordinator.call(idem::test::request(fmt::format("k{}", i)), [] {
+      return Response{200, "ok", {}};
+    });
+  }
+  clock->advance(2min);  // all 45 expired: a backlog of four full batches and one of 5
+  Maintenance maintenance(coordinator, MaintenanceOptions{.batch = 10});
+  boost::asio::io_context io;
+  maintenance.start(io.get_executor());
+  io.poll();
+  clock->advance(10s);  // purge_every: the first batch
+  io.poll();
+  for (int step = 0; step < 100 && slow->began.size() < 5; ++step) {
+    clock->advance(5ms);
+    io.poll();
+  }
+  REQUIRE(slow->began.size() == 5);
+  for (std::size_t i = 1; i < slow->began.size(); ++i) {
+    CAPTURE(i);
+    // The batch's 20 ms, then a pause of 60 ms, not one of purge_every (10 s).
+    CHECK(slow->began[i] - slow->began[i - 1] == 80ms);
+  }
+  // The last batch was not full: the backlog is done; the next purge is purge_every later.
+  const TimePoint last_ended = slow->began.back() + 20ms;
+  for (int step = 0; step < 3000 && slow->began.size() == 5; ++step) {
+    clock->advance(5ms);
+    io.poll();
+  }
+  REQUIRE(slow->began.size() == 6);
+  CHECK(slow->began.back() - last_ended == 10s);
+  CHECK(maintenance.totals().purged == 45);
+  CHECK(coordinator.metrics().purged == 45);
+  maintenance.stop();
+  io.run();
+}
+
 // The shop's outbox and its checkouts (blocking), for the completer of `m`.
 void serve_checkouts(MaintenanceThread& m, Shop& shop) {
   m.deliver(demo::mail_delivery(shop.mail));
