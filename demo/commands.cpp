@@ -173,7 +173,13 @@ int run_checkout(const CheckoutArgs& a) {
     line["orders"] = db.count_orders();
     std::cout << line.dump() << std::endl;
     return out.response.status == 200 ? 0 : 1;
+  } catch (const error& e) {
+    line["outcome"] = std::string(to_string(e.code()));
+    line["error"] = e.what();
+    std::cout << line.dump() << std::endl;
+    return 1;
   } catch (const std::exception& e) {
+    line["outcome"] = "error";
     line["error"] = e.what();
     std::cout << line.dump() << std::endl;
     return 1;
