@@ -173,13 +173,9 @@ int run_checkout(const CheckoutArgs& a) {
     line["orders"] = db.count_orders();
     std::cout << line.dump() << std::endl;
     return out.response.status == 200 ? 0 : 1;
-  } catch (const error& e) {
-    line["outcome"] = std::string(to_string(e.code()));
-    line["error"] = e.what();
-    std::cout << line.dump() << std::endl;
-    return 1;
   } catch (const std::exception& e) {
-    line["outcome"] = "error";
+    const auto* idem_error = dynamic_cast<const error*>(&e);
+    line["outcome"] = idem_error ? std::string(to_string(idem_error->code())) : "error";
     line["error"] = e.what();
     std::cout << line.dump() << std::endl;
     return 1;
