@@ -3,6 +3,8 @@
 #include "idem/asio.hpp"
 #include "idem/internal/store_stats.hpp"
 #include "idem/sim/async_provider.hpp"
+#include "idem/sqlite_store.hpp"
+#include "idem/store_wrapper.hpp"
 
 #include <doctest/doctest.h>
 
@@ -10,6 +12,9 @@
 #include <boost/asio/io_context.hpp>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
+#include <vector>
 
 #include "idem/sim/driver.hpp"
 #include "test_support.hpp"
@@ -343,4 +348,107 @@ TEST_CASE(
   CHECK_FALSE(woke_late);
   clock.advance_to(start + 2h);  // the deadline's call finds nothing to wake (ASan watches)
   CHECK_FALSE(woke_late);
+}
+
+namespace {
+
+// Counts Store::load_many's batches by size and hands each to the wrapped store whole.
+class CountedReads final : public idem::StoreWrapper {
+ public:
+  using StoreWrapper::StoreWrapper;
+  std::vector<std::size_t> batches;  // the io thread's only
+
+  void load_many(std::span<idem::StoreRead* const> reads) override {
+    batches.push_back(reads.size());
+    target().load_many(reads);
+  }
+};
+
+// Replays: `keys` keys completed with "ch_<i>" by blocking calls, then a few more blocking calls
+// so the coordinator reads before it reserves (duplicates are common now).
+struct ReplayWorld {
+  idem::test::TempDir dir;
+  std::shared_ptr<CountedReads> reads =
+      std::make_shared<CountedReads>(std::make_shared<idem::SqliteStore>(dir.file("keys.db")));
+  idem::Coordinator idem{reads, {}};
+  int runs = 0;  // the action's, never deduplicated
+
+  explicit ReplayWorld(int keys) {
+    for (int i = 0; i < keys; ++i) idem.call(request(key(i)), [&, i] { return charge(i); });
+    for (int i = 0; i < 4; ++i) idem.call(request(key(0)), [&] { return charge(0); });
+    reads->batches.clear();
+  }
+  static std::string key(int i) { return "k" + std::to_string(i); }
+  Response charge(int i) {
+    ++runs;
+    return Response{200, "ch_" + std::to_string(i), {}};
+  }
+  net::awaitable<void> replay(int i, std::optional<Outcome>& out, bool* gone = nullptr) {
+    struct Gone {
+      bool* flag;
+      ~Gone() {
+        if (flag != nullptr) *flag = true;
+      }
+    } guard{gone};
+    out = co_await idem::async_call(
+        idem, request(key(i)), [this, i]() -> net::awaitable<Response> { co_return charge(i); });
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "asio: the reads of calls ready in the same turn go to the store in one load_many, each "
+    "call with its own record") {
+  constexpr int kKeys = 32;
+  ReplayWorld w(kKeys);
+  REQUIRE(w.runs == kKeys);
+  net::io_context io(1);
+  std::vector<std::optional<Outcome>> outs(kKeys);
+  for (int i = 0; i < kKeys; ++i) spawn(io, w.replay(i, outs[static_cast<std::size_t>(i)]));
+  io.run();
+  // All 32 started in the first turn: one batch of 32 reads, and nothing ran again.
+  CHECK(w.reads->batches == std::vector<std::size_t>{kKeys});
+  CHECK(w.runs == kKeys);
+  for (int i = 0; i < kKeys; ++i) {
+    CAPTURE(i);
+    const std::optional<Outcome>& out = outs[static_cast<std::size_t>(i)];
+    REQUIRE(out);
+    CHECK(out->replayed());
+    CHECK(out->response.body == "ch_" + std::to_string(i));
+  }
+  // A lone call reads alone, in a batch of one.
+  std::optional<Outcome> alone;
+  spawn(io, w.replay(7, alone));
+  io.restart();
+  io.run();
+  CHECK(w.reads->batches == std::vector<std::size_t>{kKeys, 1});
+  CHECK(alone->response.body == "ch_7");
+  CHECK(w.runs == kKeys);
+}
+
+TEST_CASE("asio: calls whose read is queued when their io_context ends are destroyed with it") {
+  ReplayWorld w(2);
+  std::optional<Outcome> a, b;
+  bool a_gone = false, b_gone = false;
+  {
+    net::io_context io(1);
+    spawn(io, w.replay(0, a, &a_gone));
+    spawn(io, w.replay(1, b, &b_gone));
+    io.poll_one();  // each starts and queues its read; the batch is posted, not run
+    io.poll_one();
+    CHECK(w.reads->batches.empty());
+    CHECK_FALSE(a_gone);
+  }
+  CHECK(a_gone);
+  CHECK(b_gone);
+  CHECK_FALSE(a);
+  CHECK_FALSE(b);
+  CHECK(w.reads->batches.empty());
+  // The coordinator goes on: the next context's reads are its own.
+  net::io_context io(1);
+  spawn(io, w.replay(1, b));
+  io.run();
+  CHECK(b->response.body == "ch_1");
+  CHECK(w.runs == 2);
 }

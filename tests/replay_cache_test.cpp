@@ -5,7 +5,9 @@
 
 #include <doctest/doctest.h>
 
+#include <fmt/format.h>
 #include <atomic>
+#include <vector>
 
 #include "idem/coordinator.hpp"
 #include "test_support.hpp"
@@ -21,9 +23,15 @@ class CountingStore final : public idem::StoreWrapper {
   using StoreWrapper::StoreWrapper;
   std::atomic<int> loads{0}, looks{0}, writes{0};  // looks: reserves and store_if_absents
 
+  std::vector<std::size_t> batches;  // load_many's, by size
+
   std::optional<idem::Record> load(const idem::KeyId& id) override {
     ++loads;
     return StoreWrapper::load(id);
+  }
+  void load_many(std::span<idem::StoreRead* const> reads) override {
+    batches.push_back(reads.size());
+    StoreWrapper::load_many(reads);  // Store's: load() for each, counted above
   }
   void apply(std::span<idem::StoreOp* const> ops) override {
     for (const idem::StoreOp* op : ops) {
@@ -80,6 +88,35 @@ TEST_CASE("replay cache: a hot key's replays and key-reuse checks touch no store
   CHECK_THROWS_AS(w.charge("k1", 100), idem::KeyReuseError);
   CHECK(w.counted->touched() == after_replays);
   CHECK(w.provider->charge_count() == 1);
+}
+
+TEST_CASE(
+    "replay cache: load_many answers the keys it holds from memory and sends the rest to the "
+    "store together") {
+  CachedWorld w;
+  for (const char* key : {"k1", "k2", "k3"}) w.charge(key);
+  const idem::KeyId k1{"alpha", "payment.charge", "k1"}, k2{"alpha", "payment.charge", "k2"},
+      k3{"alpha", "payment.charge", "k3"}, k4{"alpha", "payment.charge", "k4"};
+  const auto read_all = [&w](std::vector<idem::StoreRead>& reads) {
+    std::vector<idem::StoreRead*> batch;
+    for (idem::StoreRead& r : reads) batch.push_back(&r);
+    w.cache->load_many(batch);
+  };
+  std::vector<idem::StoreRead> first = {{&k1}, {&k2}, {&k3}, {&k4}};
+  read_all(first);  // none held yet: one batch of four behind the cache
+  CHECK(w.counted->batches == std::vector<std::size_t>{4});
+  for (std::size_t i = 0; i < 3; ++i)
+    CHECK(first[i].record->response.body == fmt::format("ch_{}", i + 1));
+  CHECK_FALSE(first[3].record);
+  CHECK(w.cache->stats().entries == 3);
+  std::vector<idem::StoreRead> again = {{&k2}, {&k4}, {&k1}};
+  read_all(again);  // k1 and k2 from memory: only k4 goes on
+  CHECK(w.counted->batches == std::vector<std::size_t>{4, 1});
+  CHECK(again[0].record->response.body == "ch_2");
+  CHECK(again[2].record->response.body == "ch_1");
+  CHECK_FALSE(again[1].record);
+  for (const idem::StoreRead& r : again) CHECK_FALSE(r.error);
+  CHECK(w.provider->charge_count() == 3);
 }
 
 TEST_CASE("replay cache: an in-progress or released record is never held") {

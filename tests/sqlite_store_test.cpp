@@ -315,6 +315,39 @@ TEST_CASE("sqlite_store: group commit: a batch of ops is one transaction") {
 }
 
 TEST_CASE(
+    "sqlite_store: load_many reads each key as load() does, and a record that does not decode "
+    "fails its own read only") {
+  TempDir dir;
+  const std::string path = dir.file("k.db");
+  idem::SqliteStore s(path);
+  const idem::KeyId k1{"alpha", "op", "k1"}, k2{"alpha", "op", "k2"}, k3{"alpha", "op", "k3"},
+      absent{"alpha", "op", "nobody"};
+  for (const idem::KeyId* id : {&k1, &k2, &k3}) {
+    const Reservation r = reserve_at(s, T0, kFp, *id);
+    REQUIRE(s.complete(*id, r.token, response("ch_" + id->key), T0 + 24h));
+  }
+  REQUIRE(RawDb(path).exec("UPDATE idem_keys SET headers = 'not json' WHERE key = 'k2'") ==
+          SQLITE_OK);
+  std::vector<idem::StoreRead> reads = {{&k1}, {&k2}, {&absent}, {&k3}, {&k1}};
+  std::vector<idem::StoreRead*> batch;
+  for (idem::StoreRead& r : reads) batch.push_back(&r);
+  s.load_many(batch);
+  for (const idem::StoreRead* r : {&reads[0], &reads[3], &reads[4]}) {
+    CAPTURE(r->id->key);
+    CHECK_FALSE(r->error);
+    REQUIRE(r->record);
+    CHECK(r->record->response.body == "ch_" + r->id->key);
+    CHECK(r->record->state == State::completed);
+  }
+  CHECK_FALSE(reads[2].error);
+  CHECK_FALSE(reads[2].record);
+  REQUIRE(reads[1].error);
+  CHECK_THROWS_AS(std::rethrow_exception(reads[1].error), idem::CorruptRecordError);
+  CHECK_FALSE(reads[1].record);
+  CHECK_THROWS_AS(s.load(k2), idem::CorruptRecordError);  // as load() answers it
+}
+
+TEST_CASE(
     "sqlite_store: group commit: a write lock held past busy_timeout fails every op of the batch, "
     "changing nothing") {
   TempDir dir;

@@ -196,6 +196,37 @@ TEST_CASE_TEMPLATE(
   CHECK(s->load(by_ref)->response.status == 201);
 }
 
+TEST_CASE_TEMPLATE("store contract: load_many answers each read as load() does", E, SqliteEngine,
+                   PgEngine) {
+  E engine;
+  IDEM_ENGINE_OR_SKIP(engine);
+  const auto s = engine.open();
+  const idem::KeyId done{"alpha", "payment.charge", "done"},
+      absent{"alpha", "payment.charge", "no"};
+  const Reservation held = reserve_at(*s, T0);  // kId: in progress
+  const Reservation r = reserve_at(*s, T0, kFp, done);
+  REQUIRE(s->complete(done, r.token, response("ch_2", 201), T0 + 24h));
+  std::vector<idem::StoreRead> reads = {{&kId}, {&done}, {&absent}, {&done}};
+  std::vector<idem::StoreRead*> batch;
+  for (idem::StoreRead& read : reads) batch.push_back(&read);
+  s->load_many(batch);
+  for (const idem::StoreRead& read : reads) {
+    CHECK_FALSE(read.error);
+    const std::optional<idem::Record> alone = s->load(*read.id);
+    REQUIRE(read.record.has_value() == alone.has_value());
+    if (!alone) continue;
+    CHECK(read.record->state == alone->state);
+    CHECK(read.record->token == alone->token);
+    CHECK(read.record->response == alone->response);
+    CHECK(read.record->expires_at == alone->expires_at);
+  }
+  CHECK(reads[0].record->token == held.token);
+  CHECK(reads[0].record->state == State::in_progress);
+  CHECK(reads[1].record->response.body == "ch_2");
+  CHECK_FALSE(reads[2].record);
+  s->load_many({});  // nothing to read: nothing happens
+}
+
 TEST_CASE_TEMPLATE(
     "store contract: an expired lease is taken over with a larger token, the zombie is fenced", E,
     SqliteEngine, PgEngine) {

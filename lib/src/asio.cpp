@@ -7,6 +7,7 @@
 #include <boost/asio/async_result.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/asio/error.hpp>
 #include <boost/asio/execution/outstanding_work.hpp>
 #include <boost/asio/execution_context.hpp>
@@ -23,6 +24,7 @@
 #include <system_error>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include <poll.h>
 #include <unistd.h>
@@ -316,6 +318,88 @@ net::awaitable<T> store_call(detail::CoordinatorCore& core, F f) {
   co_return std::move(*result);
 }
 
+// The reads of the calls on one io_context that become ready in the same turn, made together:
+// the first reader posts a batch to its executor, and every read queued before the batch runs
+// goes to its coordinator's store in one Store::load_many() (one read transaction on
+// SqliteStore, where beginning and ending a transaction is most of what a lone read costs).
+// Each reader then resumes with its own answer. A read waits for nothing but its turn: it is
+// made after the reader asked, never from an older snapshot. One per io_context, so a
+// context's reads never wait for another context's thread; reads of several coordinators on
+// one context go to each store apart.
+class ReadBatches final : public net::execution_context::service {
+ public:
+  static inline net::execution_context::id id;
+  explicit ReadBatches(net::execution_context& context) : service(context) {}
+
+  struct Queued {
+    detail::CoordinatorCore* core;
+    StoreRead* read;
+    std::function<void()> resume;  // resumes the reader (here: run() runs on its executor)
+  };
+
+  // Queues a read; true when the caller must post run() (no batch is posted yet).
+  bool enqueue(Queued q) {
+    std::lock_guard lock(mutex_);
+    queued_.push_back(std::move(q));
+    return !std::exchange(posted_, true);
+  }
+
+  // The posted batch: reads everything queued, then resumes each reader in turn, at once (a
+  // lone reader then costs one turn of the event loop more than a read made in place, not two).
+  void run() {
+    std::vector<Queued> batch;
+    {
+      std::lock_guard lock(mutex_);
+      batch.swap(queued_);
+      posted_ = false;
+    }
+    std::vector<bool> read(batch.size(), false);
+    std::vector<StoreRead*> reads;
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      if (read[i]) continue;
+      detail::CoordinatorCore& core = *batch[i].core;
+      reads.clear();
+      for (std::size_t j = i; j < batch.size(); ++j) {
+        if (batch[j].core != &core) continue;
+        reads.push_back(batch[j].read);
+        read[j] = true;
+      }
+      core.latency.time(detail::StoreCall::load, [&] { core.store->load_many(reads); });
+    }
+    for (Queued& q : batch) q.resume();
+  }
+
+ private:
+  void shutdown() override {
+    std::vector<Queued> unread;
+    {
+      std::lock_guard lock(mutex_);
+      unread.swap(queued_);
+    }
+    // Destroying a continuation destroys its coroutine's frames, as the context destroys its
+    // own pending operations.
+  }
+
+  std::mutex mutex_;
+  std::vector<Queued> queued_;  // guarded by mutex_
+  bool posted_ = false;         // guarded by mutex_: run() is posted and has not taken them
+};
+
+// The record of `id`, read in its io_context's batch (ReadBatches).
+net::awaitable<detail::Loaded> batched_read(detail::CoordinatorCore& core, const KeyId& id) {
+  StoreRead read{&id};
+  co_await net::async_initiate<decltype(net::use_awaitable), void()>(
+      [&core, &read](auto handler) {
+        const auto ex = net::get_associated_executor(handler);
+        auto resume = std::make_shared<decltype(handler)>(std::move(handler));
+        auto& batches = net::use_service<ReadBatches>(net::query(ex, net::execution::context));
+        if (batches.enqueue({&core, &read, [resume] { net::dispatch(std::move(*resume)); }}))
+          net::post(ex, [&batches] { batches.run(); });
+      },
+      net::use_awaitable);
+  co_return detail::Loaded{std::move(read.record), read.error};
+}
+
 // A posted round of the group commit: waits for the store's batch on `ex`. A store that may
 // wait on a network starts the round (a connect, a batch on the main connection when every
 // batch connection is busy) on the coordinator's store threads, so the io_context's thread
@@ -376,6 +460,12 @@ struct AsyncEffects : detail::Awaiting {
   std::shared_ptr<detail::Waiter> waiter() {
     waiting = std::make_shared<AsyncWaiter>(ex);
     return waiting->handle();
+  }
+  // A store that may wait on a network reads on the coordinator's store threads, each read
+  // apart; any other reads in its io_context's batch.
+  net::awaitable<detail::Loaded> read(const KeyId& id) {
+    if (!core.store->remote()) return batched_read(core, id);
+    return store([&core = core, &id] { return detail::read_timed(core, id); });
   }
   template <class F>
   net::awaitable<std::invoke_result_t<F&>> store(F f) {

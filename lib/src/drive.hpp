@@ -5,6 +5,7 @@
 //   P::Task<T>             what the loop (and each effect) returns: Immediate<T> for the
 //                          blocking driver, boost::asio::awaitable<T> for the coroutine one;
 //   p.waiter()             the call's Waiter (made at most once, when it first waits);
+//   p.read(id)             the key's record (Loaded), read and timed;
 //   p.store(f)             a call into the store (or the payload store) that returns f();
 //   p.write(op)            `op` committed with the group commit;
 //   p.sleep(until)         a wait on the waiter until `until` or a wake;
@@ -105,6 +106,11 @@ inline constexpr bool is_immediate = false;
 template <class T>
 inline constexpr bool is_immediate<Immediate<T>> = true;
 
+// Reads `id`'s record alone, timed as a store round trip.
+inline Loaded read_timed(CoordinatorCore& core, const KeyId& id) {
+  return core.latency.time(StoreCall::load, [&] { return read_record(*core.store, id); });
+}
+
 // The blocking way of awaiting: what the application gives is called at once.
 struct Blocking {
   template <class T>
@@ -167,6 +173,7 @@ struct BlockingEffects : Blocking {
   std::shared_ptr<BlockingWaiter> waiting{};
 
   std::shared_ptr<Waiter> waiter() { return waiting = std::make_shared<BlockingWaiter>(); }
+  Now<Loaded> read(const KeyId& id) { return {read_timed(core, id)}; }
   template <class F>
   Now<std::invoke_result_t<F&>> store(F f) {
     return {f()};
@@ -195,10 +202,7 @@ typename P::template Task<Outcome> drive(CoordinatorCore& core, const Request& r
     const Effect e = flow.next();
     switch (e.kind) {
       case Kind::read: {
-        Loaded loaded = co_await perform.store([&core, &flow] {
-          return core.latency.time(StoreCall::load,
-                                   [&] { return read_record(*core.store, flow.id()); });
-        });
+        Loaded loaded = co_await perform.read(flow.id());
         flow.loaded(std::move(loaded));
         break;
       }

@@ -1,5 +1,6 @@
 #include "idem/http.hpp"
 
+#include <fmt/compile.h>
 #include <fmt/format.h>
 
 #include <chrono>
@@ -120,8 +121,10 @@ std::string http_date(TimePoint t) {
   const std::chrono::year_month_day date{day};
   const std::chrono::hh_mm_ss time{std::chrono::floor<std::chrono::seconds>(t - day)};
   const std::chrono::weekday weekday{day};
-  return fmt::format("{}, {:02} {} {:04} {:02}:{:02}:{:02} GMT", kDays[weekday.c_encoding()],
-                     static_cast<unsigned>(date.day()),
+  // The format compiled (FMT_COMPILE): a replay writes two dates, and parsing the format at
+  // run time was a tenth of what the layer adds to one.
+  return fmt::format(FMT_COMPILE("{}, {:02} {} {:04} {:02}:{:02}:{:02} GMT"),
+                     kDays[weekday.c_encoding()], static_cast<unsigned>(date.day()),
                      kMonths[static_cast<unsigned>(date.month()) - 1],
                      static_cast<int>(date.year()), time.hours().count(), time.minutes().count(),
                      time.seconds().count());

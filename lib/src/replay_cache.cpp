@@ -125,6 +125,20 @@ std::optional<Record> ReplayCache::load(const KeyId& id) {
   return r;
 }
 
+void ReplayCache::load_many(std::span<StoreRead* const> reads) {
+  const TimePoint now = impl_->options.clock->now();
+  std::vector<StoreRead*> rest;
+  for (StoreRead* r : reads) {
+    r->record = impl_->lookup(*r->id, now);
+    if (!r->record) rest.push_back(r);
+  }
+  if (rest.empty()) return;
+  target().load_many(rest);
+  for (const StoreRead* r : rest) {
+    if (r->record) impl_->remember(*r->id, *r->record, now);
+  }
+}
+
 namespace {
 
 bool looks(const StoreOp& op) {

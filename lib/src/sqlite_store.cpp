@@ -570,6 +570,23 @@ std::optional<Record> SqliteStore::load(const KeyId& id) {
   return impl_->load_record(id);
 }
 
+void SqliteStore::load_many(std::span<StoreRead* const> reads) {
+  if (reads.size() < 2) return Store::load_many(reads);
+  std::lock_guard lock(impl_->mutex);
+  try {
+    sqlite::ReadTransaction snapshot(impl_->tx);
+    for (StoreRead* r : reads) {
+      try {
+        r->record = impl_->load_record(*r->id);
+      } catch (const StoreError&) {  // CorruptRecordError included: this read's own
+        r->error = std::current_exception();
+      }
+    }
+  } catch (const StoreError&) {  // BEGIN failed: no read was made
+    for (StoreRead* r : reads) r->error = std::current_exception();
+  }
+}
+
 std::size_t SqliteStore::purge_expired(TimePoint now, std::size_t limit) {
   return impl_->sweep_due(detail::ms(now), limit,
                           [](const Impl::Due& d) { return d.state != State::in_progress; });

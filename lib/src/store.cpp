@@ -13,6 +13,16 @@ namespace {
 
 }  // namespace
 
+void Store::load_many(std::span<StoreRead* const> reads) {
+  for (StoreRead* r : reads) {
+    try {
+      r->record = load(*r->id);
+    } catch (const StoreError&) {  // CorruptRecordError included
+      r->error = std::current_exception();
+    }
+  }
+}
+
 std::unique_ptr<PendingApply> Store::start_apply(std::span<StoreOp* const>) { return nullptr; }
 std::size_t Store::concurrent_applies() const noexcept { return 1; }
 bool Store::remote() const noexcept { return false; }

@@ -45,6 +45,9 @@ class ReplayCache final : public StoreWrapper {
   ~ReplayCache() override;
 
   std::optional<Record> load(const KeyId& id) override;
+  // As load() for each: what the cache holds is answered at once, the rest goes to the
+  // target's load_many() together.
+  void load_many(std::span<StoreRead* const> reads) override;
   void apply(std::span<StoreOp* const> ops) override;
   // As apply(): what the cache answers is decided at once, the rest goes to the target's
   // start_apply() (or its apply(), when it cannot), and what it finds is remembered.

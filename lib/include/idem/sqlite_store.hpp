@@ -83,6 +83,8 @@ class SqliteStore final : public Store, public StepStore {
 
   bool renew(const KeyId& id, std::int64_t token, TimePoint lease_until) override;
   std::optional<Record> load(const KeyId& id) override;
+  // Two reads or more: one read transaction.
+  void load_many(std::span<StoreRead* const> reads) override;
   StepStore* steps() noexcept override { return this; }
   std::optional<Progress> begin_steps(const KeyId& id, std::int64_t token,
                                       const std::string& request) override;

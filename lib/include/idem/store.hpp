@@ -176,6 +176,13 @@ struct AbandonedOperation {
   std::string request;
 };
 
+// One read for Store::load_many: the key, and room for its answer.
+struct StoreRead {
+  const KeyId* id = nullptr;  // the caller's; valid until load_many() has returned
+  std::optional<Record> record{};
+  std::exception_ptr error{};  // the StoreError this read failed with (record then empty)
+};
+
 // One write for Store::apply: the inputs of reserve(), complete(), release() or
 // store_if_absent(), and room for the result. The pointers belong to the caller and must
 // stay valid until apply() has returned.
@@ -267,6 +274,14 @@ class Store {
 
   // The record as stored (live or not), or nullopt.
   virtual std::optional<Record> load(const KeyId& id) = 0;
+
+  // Several load()s, each with its own answer: a corrupt record fails its own read only.
+  // An engine may make them one read (SqliteStore: one read transaction for all, where most
+  // of a lone read's time is beginning and ending its own); the coroutine front end hands it
+  // the reads of every call that is ready in the same turn of an io_context. Never throws:
+  // failures go to StoreRead::error. The default calls load() for each, so a decorator that
+  // overrides load() sees every read unless it overrides this too.
+  virtual void load_many(std::span<StoreRead* const> reads);
 
   // ---- Maintenance
 

@@ -2,7 +2,8 @@
 // (fault injection, tracing, metrics), in the manner of LevelDB's EnvWrapper. A decorator
 // derives from it and overrides only what it changes. Every write of a record reaches it
 // through apply() or renew() (Store's single writes are apply() of one op), so a decorator
-// that overrides those two sees them all.
+// that overrides those two sees them all; every read reaches its load() (load_many() is not
+// forwarded: Store's default calls load() for each, unless the decorator overrides it).
 #pragma once
 
 #include <memory>

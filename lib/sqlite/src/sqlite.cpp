@@ -188,7 +188,10 @@ std::string_view Statement::blob_view(int column) const {
 std::string Statement::blob(int column) const { return std::string(blob_view(column)); }
 
 TransactionStatements::TransactionStatements(sqlite3* db)
-    : begin(db, sql::kBeginImmediate), commit(db, sql::kCommit), rollback(db, sql::kRollback) {}
+    : begin(db, sql::kBeginImmediate),
+      begin_read(db, sql::kBegin),
+      commit(db, sql::kCommit),
+      rollback(db, sql::kRollback) {}
 
 Transaction::Transaction(TransactionStatements& s) : s_(s) {
   ResetGuard reset(s_.begin);
@@ -210,6 +213,20 @@ void Transaction::commit() {
   ResetGuard reset(s_.commit);
   s_.commit.step();
   done_ = true;
+}
+
+ReadTransaction::ReadTransaction(TransactionStatements& s) : s_(s) {
+  ResetGuard reset(s_.begin_read);
+  s_.begin_read.step();
+}
+
+ReadTransaction::~ReadTransaction() {
+  try {
+    ResetGuard reset(s_.commit);
+    s_.commit.step();
+  } catch (const StoreError&) {
+    // A read that failed inside may have ended the transaction already; nothing was written.
+  }
 }
 
 }  // namespace idem::sqlite

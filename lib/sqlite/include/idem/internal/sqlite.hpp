@@ -109,10 +109,10 @@ class ResetGuard {
   Statement& s_;
 };
 
-// BEGIN IMMEDIATE, COMMIT and ROLLBACK, prepared once per connection.
+// BEGIN IMMEDIATE, BEGIN, COMMIT and ROLLBACK, prepared once per connection.
 struct TransactionStatements {
   explicit TransactionStatements(sqlite3* db);
-  Statement begin, commit, rollback;
+  Statement begin, begin_read, commit, rollback;
 };
 
 // BEGIN IMMEDIATE in the constructor (so a read-then-write cannot fail to upgrade its
@@ -128,6 +128,20 @@ class Transaction {
  private:
   TransactionStatements& s_;
   bool done_ = false;
+};
+
+// BEGIN (deferred) in the constructor, for reads only: the first read takes the read lock and
+// those after it see the same snapshot, without each beginning and ending a transaction of
+// its own. Ended (COMMIT, which writes nothing) in the destructor.
+class ReadTransaction {
+ public:
+  explicit ReadTransaction(TransactionStatements& s);
+  ~ReadTransaction();
+  ReadTransaction(const ReadTransaction&) = delete;
+  ReadTransaction& operator=(const ReadTransaction&) = delete;
+
+ private:
+  TransactionStatements& s_;
 };
 
 }  // namespace idem::sqlite
