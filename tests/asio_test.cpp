@@ -14,6 +14,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "idem/sim/driver.hpp"
@@ -352,15 +354,26 @@ TEST_CASE(
 
 namespace {
 
-// Counts Store::load_many's batches by size and hands each to the wrapped store whole.
+// Counts Store::load_many's batches by size and hands each to the wrapped store whole. With
+// `broken` set, the batch goes through load() one key at a time instead, and load() of that
+// key throws what no store should: not a StoreError.
 class CountedReads final : public idem::StoreWrapper {
  public:
   using StoreWrapper::StoreWrapper;
   std::vector<std::size_t> batches;  // the io thread's only
+  std::string broken;
 
+  std::optional<idem::Record> load(const idem::KeyId& id) override {
+    if (!broken.empty() && id.key == broken) throw std::logic_error("a bug in the store");
+    return StoreWrapper::load(id);
+  }
   void load_many(std::span<idem::StoreRead* const> reads) override {
     batches.push_back(reads.size());
-    target().load_many(reads);
+    if (broken.empty()) {
+      target().load_many(reads);
+    } else {
+      StoreWrapper::load_many(reads);  // Store's: load() for each
+    }
   }
 };
 
@@ -451,4 +464,33 @@ TEST_CASE("asio: calls whose read is queued when their io_context ends are destr
   io.run();
   CHECK(b->response.body == "ch_1");
   CHECK(w.runs == 2);
+}
+
+TEST_CASE(
+    "asio: a read that throws something other than a StoreError ends its own call with it, and "
+    "the other reads of its batch are answered") {
+  ReplayWorld w(3);
+  w.reads->broken = "k1";
+  net::io_context io(1);
+  std::optional<Outcome> a, b, c;
+  spawn(io, w.replay(0, a));
+  std::string thrown;
+  // (named: a coroutine lambda's captures live in the lambda, which must outlive the run)
+  const auto second = [&]() -> net::awaitable<void> {
+    try {
+      co_await w.replay(1, b);
+    } catch (const std::logic_error& e) {
+      thrown = e.what();
+    }
+  };
+  spawn(io, second());
+  spawn(io, w.replay(2, c));
+  io.run();
+  CHECK(w.reads->batches == std::vector<std::size_t>{3});
+  CHECK(thrown == "a bug in the store");  // not a store failure: nothing ran unprotected
+  CHECK_FALSE(b);
+  CHECK(a->response.body == "ch_0");
+  CHECK(c->response.body == "ch_2");
+  CHECK(w.runs == 3);
+  CHECK(w.idem.metrics().ran_unprotected == 0);
 }

@@ -511,6 +511,10 @@ TEST_CASE("http layer: HTTP-dates are IMF-fixdates whatever the locale") {
   CHECK(idem::http_date(idem::TimePoint(seconds(784111777))) == "Sun, 06 Nov 1994 08:49:37 GMT");
   CHECK(idem::http_date(idem::TimePoint(milliseconds(951782400999))) ==
         "Tue, 29 Feb 2000 00:00:00 GMT");
+  // A key's expiry ten years on, and the far ends of what a TimePoint holds, stay whole.
+  CHECK(idem::http_date(idem::TimePoint(seconds(2110000000))) == "Tue, 11 Nov 2036 07:06:40 GMT");
+  CHECK(idem::http_date(idem::TimePoint(seconds(253402300799))) == "Fri, 31 Dec 9999 23:59:59 GMT");
+  CHECK(idem::http_date(idem::TimePoint(hours(24) * 4000000)).ends_with(":00:00 GMT"));
 }
 
 TEST_CASE("http layer: an sf-string key's RFC 8941 parameters are accepted and ignored") {

@@ -33,6 +33,7 @@
 #include "awaiting.hpp"
 #include "core.hpp"
 #include "drive.hpp"
+#include "idem/errors.hpp"
 #include "maintenance_jobs.hpp"
 
 namespace idem {
@@ -364,7 +365,13 @@ class ReadBatches final : public net::execution_context::service {
         reads.push_back(batch[j].read);
         read[j] = true;
       }
-      core.latency.time(detail::StoreCall::load, [&] { core.store->load_many(reads); });
+      try {
+        core.latency.time(detail::StoreCall::load, [&] { core.store->load_many(reads); });
+      } catch (...) {  // a store that broke load_many's contract: its readers get what it threw
+        for (StoreRead* r : reads) {
+          if (!r->record && !r->error) r->error = std::current_exception();
+        }
+      }
     }
     for (Queued& q : batch) q.resume();
   }
@@ -397,6 +404,14 @@ net::awaitable<detail::Loaded> batched_read(detail::CoordinatorCore& core, const
           net::post(ex, [&batches] { batches.run(); });
       },
       net::use_awaitable);
+  if (read.error) {
+    // A StoreError is the flow's to judge (Loaded::error); anything else ends the call, as it
+    // does when a lone load() throws it.
+    try {
+      std::rethrow_exception(read.error);
+    } catch (const StoreError&) {
+    }
+  }
   co_return detail::Loaded{std::move(read.record), read.error};
 }
 

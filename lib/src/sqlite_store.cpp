@@ -578,7 +578,7 @@ void SqliteStore::load_many(std::span<StoreRead* const> reads) {
     for (StoreRead* r : reads) {
       try {
         r->record = impl_->load_record(*r->id);
-      } catch (const StoreError&) {  // CorruptRecordError included: this read's own
+      } catch (...) {  // CorruptRecordError included: this read's own
         r->error = std::current_exception();
       }
     }

@@ -17,7 +17,7 @@ void Store::load_many(std::span<StoreRead* const> reads) {
   for (StoreRead* r : reads) {
     try {
       r->record = load(*r->id);
-    } catch (const StoreError&) {  // CorruptRecordError included
+    } catch (...) {  // a StoreError (CorruptRecordError included), or whatever load() threw
       r->error = std::current_exception();
     }
   }

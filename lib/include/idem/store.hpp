@@ -180,7 +180,7 @@ struct AbandonedOperation {
 struct StoreRead {
   const KeyId* id = nullptr;  // the caller's; valid until load_many() has returned
   std::optional<Record> record{};
-  std::exception_ptr error{};  // the StoreError this read failed with (record then empty)
+  std::exception_ptr error{};  // what this read failed with, a StoreError (record then empty)
 };
 
 // One write for Store::apply: the inputs of reserve(), complete(), release() or
