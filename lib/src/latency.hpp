@@ -72,7 +72,7 @@ inline constexpr std::size_t kCallEnds = 8;
 
 // The store's operations, as their round trips are labelled (idem_store_duration_seconds).
 enum class StoreCall {
-  load,   // Store::load: a key's record
+  load,   // Store::load or load_many: a key's record, or a turn's reads together
   apply,  // Store::apply: one group-commit round (reserve, complete, release... of its batch)
   renew,  // Store::renew: a heartbeat
   purge,  // Store::purge_expired: one batch

@@ -574,7 +574,7 @@ void SqliteStore::load_many(std::span<StoreRead* const> reads) {
   if (reads.size() < 2) return Store::load_many(reads);
   std::lock_guard lock(impl_->mutex);
   try {
-    sqlite::ReadTransaction snapshot(impl_->tx);
+    sqlite::Transaction snapshot(impl_->tx, sqlite::Transaction::Kind::read);
     for (StoreRead* r : reads) {
       try {
         r->record = impl_->load_record(*r->id);

@@ -64,9 +64,10 @@ struct MetricsSnapshot {
   std::map<std::string, HistogramSnapshot> call_duration;
   // Calls that waited for another request with the same key: from the first wait to the end.
   HistogramSnapshot wait_duration;
-  // Round trips to the store, by operation: load (a key's record), apply (one group-commit
-  // round: the reserve, complete and release writes of every call in its batch, one
-  // transaction), renew (a heartbeat), purge and reap (one batch each).
+  // Round trips to the store, by operation: load (one read: a key's record, or on the
+  // coroutine front end the records of every call ready in the same turn, Store::load_many),
+  // apply (one group-commit round: the reserve, complete and release writes of every call in
+  // its batch, one transaction), renew (a heartbeat), purge and reap (one batch each).
   std::map<std::string, HistogramSnapshot> store_duration;
   // Writes per group-commit round.
   HistogramSnapshot commit_batch_size;

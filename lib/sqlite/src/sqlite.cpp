@@ -193,9 +193,10 @@ TransactionStatements::TransactionStatements(sqlite3* db)
       commit(db, sql::kCommit),
       rollback(db, sql::kRollback) {}
 
-Transaction::Transaction(TransactionStatements& s) : s_(s) {
-  ResetGuard reset(s_.begin);
-  s_.begin.step();
+Transaction::Transaction(TransactionStatements& s, Kind kind) : s_(s) {
+  Statement& begin = kind == Kind::write ? s_.begin : s_.begin_read;
+  ResetGuard reset(begin);
+  begin.step();
 }
 
 Transaction::~Transaction() {
@@ -213,20 +214,6 @@ void Transaction::commit() {
   ResetGuard reset(s_.commit);
   s_.commit.step();
   done_ = true;
-}
-
-ReadTransaction::ReadTransaction(TransactionStatements& s) : s_(s) {
-  ResetGuard reset(s_.begin_read);
-  s_.begin_read.step();
-}
-
-ReadTransaction::~ReadTransaction() {
-  try {
-    ResetGuard reset(s_.commit);
-    s_.commit.step();
-  } catch (const StoreError&) {
-    // A read that failed inside may have ended the transaction already; nothing was written.
-  }
 }
 
 }  // namespace idem::sqlite

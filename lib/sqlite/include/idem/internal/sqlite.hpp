@@ -116,10 +116,13 @@ struct TransactionStatements {
 };
 
 // BEGIN IMMEDIATE in the constructor (so a read-then-write cannot fail to upgrade its
-// lock), ROLLBACK in the destructor unless commit() ran.
+// lock), or for reads only BEGIN (Kind::read: the first read takes the read lock and those
+// after it see its snapshot, without each beginning and ending a transaction of its own);
+// ROLLBACK in the destructor unless commit() ran (for reads, either only ends them).
 class Transaction {
  public:
-  explicit Transaction(TransactionStatements& s);
+  enum class Kind { write, read };
+  explicit Transaction(TransactionStatements& s, Kind kind = Kind::write);
   ~Transaction();
   Transaction(const Transaction&) = delete;
   Transaction& operator=(const Transaction&) = delete;
@@ -128,20 +131,6 @@ class Transaction {
  private:
   TransactionStatements& s_;
   bool done_ = false;
-};
-
-// BEGIN (deferred) in the constructor, for reads only: the first read takes the read lock and
-// those after it see the same snapshot, without each beginning and ending a transaction of
-// its own. Ended (COMMIT, which writes nothing) in the destructor.
-class ReadTransaction {
- public:
-  explicit ReadTransaction(TransactionStatements& s);
-  ~ReadTransaction();
-  ReadTransaction(const ReadTransaction&) = delete;
-  ReadTransaction& operator=(const ReadTransaction&) = delete;
-
- private:
-  TransactionStatements& s_;
 };
 
 }  // namespace idem::sqlite
