@@ -8,8 +8,10 @@
 
 #include <doctest/doctest.h>
 
+#include <array>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/strand.hpp>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -493,4 +495,35 @@ TEST_CASE(
   CHECK(c->response.body == "ch_2");
   CHECK(w.runs == 3);
   CHECK(w.idem.metrics().ran_unprotected == 0);
+}
+
+TEST_CASE(
+    "asio: when a reader's continuation throws out of the batch that resumed it, the readers "
+    "after it still resume") {
+  ReplayWorld w(3);
+  std::array<std::optional<Outcome>, 3> outs;
+  // The first call's completion handler rethrows what its coroutine threw, out of run().
+  const auto throws = [&]() -> net::awaitable<void> {
+    co_await w.replay(0, outs[0]);
+    throw std::runtime_error("the application's own failure");
+  };
+  // On a strand, unlike on the io_context's own executor, a handler dispatched in place lets
+  // what it throws out to its caller: here, out of the batch.
+  net::io_context io(1);
+  const auto strand = net::make_strand(io);
+  const auto rethrow = [](std::exception_ptr e) {
+    if (e) std::rethrow_exception(e);
+  };
+  net::co_spawn(strand, throws(), rethrow);
+  net::co_spawn(strand, w.replay(1, outs[1]), rethrow);
+  net::co_spawn(strand, w.replay(2, outs[2]), rethrow);
+  CHECK_THROWS_WITH(io.run(), "the application's own failure");
+  io.restart();
+  io.run();  // the other two, each in a handler of its own
+  CHECK(w.reads->batches == std::vector<std::size_t>{3});
+  REQUIRE(outs[1]);
+  REQUIRE(outs[2]);
+  CHECK(outs[1]->response.body == "ch_1");
+  CHECK(outs[2]->response.body == "ch_2");
+  CHECK(w.runs == 3);
 }

@@ -335,7 +335,7 @@ class ReadBatches final : public net::execution_context::service {
   struct Queued {
     detail::CoordinatorCore* core;
     StoreRead* read;
-    std::function<void()> resume;  // resumes the reader (here: run() runs on its executor)
+    std::function<void(bool)> resume;  // resumes the reader: at once (true), or posted
   };
 
   // Queues a read; true when the caller must post run() (no batch is posted yet).
@@ -346,7 +346,8 @@ class ReadBatches final : public net::execution_context::service {
   }
 
   // The posted batch: reads everything queued, then resumes each reader in turn, at once (a
-  // lone reader then costs one turn of the event loop more than a read made in place, not two).
+  // lone reader then costs one turn of the event loop more than a read made in place, not
+  // two).
   void run() {
     std::vector<Queued> batch;
     {
@@ -373,7 +374,16 @@ class ReadBatches final : public net::execution_context::service {
         }
       }
     }
-    for (Queued& q : batch) q.resume();
+    std::size_t next = 0;
+    try {
+      while (next < batch.size()) batch[next++].resume(true);
+    } catch (...) {
+      // A reader's continuation threw out of it (on a strand, a handler dispatched in place
+      // lets what its completion handler rethrew out; the io_context's own executor keeps it
+      // for run()): the readers after it resume in handlers of their own, and this leaves run().
+      while (next < batch.size()) batch[next++].resume(false);
+      throw;
+    }
   }
 
  private:
@@ -400,7 +410,14 @@ net::awaitable<detail::Loaded> batched_read(detail::CoordinatorCore& core, const
         const auto ex = net::get_associated_executor(handler);
         auto resume = std::make_shared<decltype(handler)>(std::move(handler));
         auto& batches = net::use_service<ReadBatches>(net::query(ex, net::execution::context));
-        if (batches.enqueue({&core, &read, [resume] { net::dispatch(std::move(*resume)); }}))
+        auto resumed = [resume](bool now) {
+          if (now) {
+            net::dispatch(std::move(*resume));
+          } else {
+            net::post(std::move(*resume));
+          }
+        };
+        if (batches.enqueue({&core, &read, std::move(resumed)}))
           net::post(ex, [&batches] { batches.run(); });
       },
       net::use_awaitable);
