@@ -454,13 +454,15 @@ TEST_CASE("postgresql: a duplicate waiting in another node is woken by NOTIFY, n
   PgEngine e;
   IDEM_ENGINE_OR_SKIP(e);
   // Node B's clock never moves: its poll timer, its lease check and its give-up never fire,
-  // so only a wake-up can end its wait. Node A holds the key until the test lets it go.
+  // so only a wake-up can end its wait. Node A holds the key until the test lets it go; its
+  // clock is frozen too, but its own, so that a timer on B's clock is B's sleep.
   auto frozen = std::make_shared<idem::sim::SimulatedClock>();
+  auto a_clock = std::make_shared<idem::sim::SimulatedClock>();
   const idem::PgOptions notifying{
       .schema = e.schema, .clock = idem::PgClock::caller, .notify = true};
   auto a_store = std::make_shared<idem::PgStore>(e.conninfo, notifying);
   auto b_store = std::make_shared<idem::PgStore>(e.conninfo, notifying);
-  idem::Coordinator node_a(a_store, idem::Options{.clock = frozen});
+  idem::Coordinator node_a(a_store, idem::Options{.clock = a_clock});
   idem::Coordinator node_b(b_store,
                            idem::Options{.in_flight = idem::InFlight::wait, .clock = frozen});
   idem::sim::Provider provider(frozen, {.latency = 0ms, .dedup = false});
@@ -486,6 +488,9 @@ TEST_CASE("postgresql: a duplicate waiting in another node is woken by NOTIFY, n
   // effect is never delivered (B would poll, but its clock is frozen).
   REQUIRE(
       idem::test::eventually([&] { return idem::detail::StoreStats::of(*b_store).listens >= 1; }));
+  // B asleep: past the look it takes after subscribing (lib/src/flow.cpp, wait_for), which,
+  // made after A's completion, would find the record done with no wake-up at all.
+  REQUIRE(idem::test::eventually([&] { return !frozen->idle(); }));
   release.count_down();
   holder.join();
   // A failure bound, not a measurement: without the wake-up, B would wait forever; then the
