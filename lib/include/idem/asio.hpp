@@ -24,11 +24,13 @@ using AsyncAction = std::function<boost::asio::awaitable<Response>()>;
 // duplicate under InFlight::wait suspends (it does not block the thread) until the
 // holder in this process completes or releases the key, its lease ends, or max_wait
 // passes; a holder in another process is polled with growing backoff.
-// Reads (a replay or a conflict while duplicates are common, a waiter's look) use the store
-// directly from the calling coroutine. Writes (reservations, completions) of all the
-// coroutines that become ready in one turn of the io_context are committed together in one
-// transaction (group commit) by a handler posted to the first writer's executor; each
-// coroutine resumes after its write is committed. On a store that may wait on a network
+// Reads (a replay or a conflict while duplicates are common, a waiter's look) of all the
+// coroutines that become ready in one turn of the io_context go to the store together
+// (Store::load_many: on SqliteStore one read transaction), in a handler posted to the first
+// reader's executor; each coroutine gets its own record or its own error. Writes (reservations,
+// completions) of all the coroutines that become ready in one turn of the io_context are committed
+// together in one transaction (group commit) by a handler posted to the first writer's executor;
+// each coroutine resumes after its write is committed. On a store that may wait on a network
 // (Store::remote(): PgStore) the io_context's thread never waits on the store: reads, a round's
 // start (a connect, a batch on a busy store's main connection) and steps run on the
 // coordinator's store threads, and a batch's results are waited for by the io_context's
@@ -36,6 +38,12 @@ using AsyncAction = std::function<boost::asio::awaitable<Response>()>;
 // calls are made on the calling thread (they wait only for the disk and other processes'
 // locks). The Coordinator (and its store) must outlive the io_context's pending work: destroy
 // the io_context, or let run() return, first.
+// With g++ 12 (Debian 12's compiler), name the action before the co_await when it is a lambda
+// that captures anything with a destructor (a std::string, a shared_ptr):
+//   idem::AsyncAction charge = [body]() -> boost::asio::awaitable<Response> { ... };
+//   co_await idem::async_call(coordinator, request, std::move(charge));
+// g++ 12.2 destroys such a temporary made inside a co_await expression twice (a double free,
+// seen under ASan); clang 14 does not. tests/asio_test.cpp's race test names its action so.
 boost::asio::awaitable<Outcome> async_call(Coordinator& coordinator, Request request,
                                            AsyncAction action);
 
