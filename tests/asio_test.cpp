@@ -583,7 +583,9 @@ TEST_CASE(
     for (std::thread& t : threads) t.join();
   }
   REQUIRE(charges.size() == std::size_t{kRounds * kKeys});
-  for (const auto& [key, n] : charges) {
+  for (const auto& charged : charges) {
+    const std::string& key = charged.first;
+    const int n = charged.second;
     CAPTURE(key);
     CHECK(n == 1);
     CHECK(executed[key] == 1);
