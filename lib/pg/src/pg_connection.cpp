@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <type_traits>
 
 #include "idem/internal/connection_sql.hpp"
@@ -27,18 +28,34 @@ StoreError error_of(std::string_view what, const PGresult* r, PGconn* c) {
 
 // ---- Params and results
 
+Params& Params::integer(std::int64_t v) {
+  char digits[24];
+  const auto end = std::to_chars(digits, digits + sizeof digits, v).ptr;
+  add(std::string_view(digits, static_cast<std::size_t>(end - digits)), 0);
+  return *this;
+}
+
 Params& Params::real(double v) {
   add(fmt::format("{}", v), 0);
   return *this;
 }
 
+void Params::add(std::string_view v, int format) {
+  slots_.push_back(Slot{.offset = bytes_.size(), .length = static_cast<int>(v.size())});
+  formats_.push_back(format);
+  bytes_.append(v);
+  bytes_.push_back('\0');  // libpq reads a text-format value up to its NUL, not its length
+}
+
 void Params::build() {
-  if (pointers_.size() == values_.size()) return;
+  if (pointers_.size() == slots_.size()) return;
   pointers_.clear();
   lengths_.clear();
-  for (const auto& v : values_) {
-    pointers_.push_back(v ? v->data() : nullptr);
-    lengths_.push_back(v ? static_cast<int>(v->size()) : 0);
+  pointers_.reserve(slots_.size());
+  lengths_.reserve(slots_.size());
+  for (const Slot& s : slots_) {
+    pointers_.push_back(s.null ? nullptr : bytes_.data() + s.offset);
+    lengths_.push_back(s.length);
   }
 }
 
