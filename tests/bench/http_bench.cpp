@@ -3,8 +3,7 @@
 // around the handler, ConformanceOptions::handwritten: what a user would write instead); and
 // bare (the handler alone, nothing stored: what answering costs). Each ratio is the median of
 // back-to-back pairs, the three servers running side by side and measured one at a time, in an
-// order that turns by one each round (so that a drift of the machine's speed within a round
-// does not always fall on the same server).
+// order that turns by one each round (in_turn).
 #include <utility>  // before Asio (Boost 1.74)
 
 #include <fmt/format.h>
@@ -347,6 +346,13 @@ Stats storm(Client& client, std::size_t width, std::chrono::milliseconds duratio
   return s;
 }
 
+// The `turn`-th of `items` measured in round `round`: the order turns by one each round, so
+// that a drift of the machine's speed within a round does not always fall on the same server.
+template <class T, std::size_t N>
+const T& in_turn(const T (&items)[N], std::size_t turn, std::size_t round) {
+  return items[(turn + round) % N];
+}
+
 }  // namespace
 
 json run_http(bool quick, const std::string& dir, std::ostream* human) {
@@ -393,7 +399,7 @@ json run_http(bool quick, const std::string& dir, std::ostream* human) {
     for (const std::size_t width : widths) {
       std::map<Guard, Stats> got;
       for (std::size_t turn = 0; turn < std::size(servers); ++turn) {
-        const Server& s = servers[(turn + round) % std::size(servers)];
+        const Server& s = in_turn(servers, turn, round);
         const std::string name = std::string(name_of(s.guard)) + fmt::format(" #{}", round);
         got[s.guard] = fresh(s.client, name, width, duration);
         if (round == 0)
@@ -426,7 +432,7 @@ json run_http(bool quick, const std::string& dir, std::ostream* human) {
     for (const std::size_t width : widths) {
       std::map<Guard, Stats> got;
       for (std::size_t turn = 0; turn < std::size(replayers); ++turn) {
-        const Replayer& r = replayers[(turn + round) % std::size(replayers)];
+        const Replayer& r = in_turn(replayers, turn, round);
         got[r.guard] = replay(r.client, fmt::format("{} #{}", r.key, round), r.guard != Guard::bare,
                               width, duration);
         if (round == 0) {
