@@ -485,14 +485,17 @@ std::vector<double> wait_for(Coordinator& idem, const std::string& key, std::siz
   return returned;
 }
 
-// Waits (a benchmark may sleep) until `key` is reserved in `store`.
+// Waits (a benchmark may sleep) until `key` is reserved in `store`. A holder that died before
+// reserving would leave it waiting for ever: after 30 s it gives up and says which key.
 void until_reserved(Store& store, const std::string& key) {
   const KeyId id{kTenant, kOperation, key};
-  for (;;) {
+  const auto give_up = std::chrono::steady_clock::now() + 30s;
+  while (std::chrono::steady_clock::now() < give_up) {
     auto r = store.load(id);
     if (r && r->state == State::in_progress) return;
     std::this_thread::sleep_for(200us);
   }
+  throw std::runtime_error(fmt::format("handoff: {} was not reserved within 30 s", key));
 }
 
 Stats handoff_in_process(const Config& c, std::size_t rounds) {
