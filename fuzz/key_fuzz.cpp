@@ -2,7 +2,8 @@
 //
 // The input is one field value. Properties:
 //  - parse_idempotency_key accepts a bare value (no DQUOTE, no comma) unchanged, and an
-//    RFC 8941 sf-string exactly when re-serialising its key gives back the input;
+//    RFC 8941 sf-string exactly when re-serialising its key gives back the start of the
+//    input, and only RFC 8941 parameters follow (`"k";p=1`, ignored);
 //  - validate_key_part accepts exactly 1..255 printable ASCII bytes and otherwise throws
 //    InvalidKeyError, nothing else;
 //  - the HTTP layer (idem/beast.hpp) in front of a handler answers 400 exactly when the
@@ -72,7 +73,11 @@ std::optional<std::string> check_value(const std::string& value) {
     if (key) require(*key == value, "a bare key is the value unchanged");
   } else if (key) {
     require(printable_ascii(*key), "an sf-string's key is printable ASCII");
-    require(sf_string(*key) == value, "an sf-string is the key's one serialisation");
+    // The sf-string is the key's one serialisation; RFC 8941 parameters may follow it.
+    const std::string item = sf_string(*key);
+    require(value.starts_with(item), "an sf-string is the key's one serialisation");
+    require(value.size() == item.size() || value[item.size()] == ';',
+            "after the sf-string come only parameters");
   }
   if (key && printable_ascii(*key)) {
     const std::optional<std::string> again = idem::parse_idempotency_key(sf_string(*key));
