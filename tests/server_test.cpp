@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "http_client.hpp"
@@ -64,29 +65,46 @@ std::string error_of(const HttpReply& r) { return json::parse(r.body).at("error"
 
 }  // namespace
 
+// Each duplicate read while the first request runs is refused with 409; one read after it
+// finished (a loaded machine, a sanitizer build) is a replay of its reply. Which of the two a
+// duplicate gets is timing; one execution, one charge and no third answer is the contract.
 TEST_CASE(
-    "server: 20 parallel requests with one key under raise: one 200, nineteen 409, one charge "
-    "(x20)") {
+    "server: 20 parallel requests with one key under raise: one executes, the others 409 while "
+    "it runs or its replay after, one charge (x20)") {
   TestServer s(with(InFlight::raise));
+  int conflicts = 0;
   for (int round = 0; round < 20; ++round) {
     const std::string key = fmt::format("round-{}", round);
     std::vector<std::unique_ptr<HttpClient>> clients;
     for (int i = 0; i < 20; ++i) clients.push_back(std::make_unique<HttpClient>(s.port()));
     for (auto& c : clients) c->write_only("POST", "/v1/payments", post_headers(key), payment(4990));
-    int ok = 0, conflict = 0;
+    std::vector<HttpReply> replays;
+    std::optional<HttpReply> executed;
+    int conflict = 0;
     for (auto& c : clients) {
-      const HttpReply r = c->receive();
-      if (r.status == 200) ++ok;
-      if (r.status == 409) {
+      HttpReply r = c->receive();
+      if (r.status == 200 && r.has("idempotent-replayed")) {
+        replays.push_back(std::move(r));
+      } else if (r.status == 200) {
+        REQUIRE_FALSE(executed.has_value());  // a second execution
+        executed = std::move(r);
+      } else {
+        REQUIRE(r.status == 409);
         ++conflict;
         CHECK(error_of(r) == "idempotency_key_in_use");
         CHECK(r.has("retry-after"));
       }
     }
-    REQUIRE(ok == 1);
-    REQUIRE(conflict == 19);
+    REQUIRE(executed.has_value());
+    for (const HttpReply& r : replays) CHECK(r.body == executed->body);
+    REQUIRE(conflict + static_cast<int>(replays.size()) == 19);
     REQUIRE(s.charges() == static_cast<std::size_t>(round + 1));
+    conflicts += conflict;
   }
+  // The requests overlapped: duplicates met the first one running (19 of 19 in a round on an
+  // idle machine).
+  INFO("409s over 20 rounds: " << conflicts);
+  CHECK(conflicts >= 20);
 }
 
 TEST_CASE(
