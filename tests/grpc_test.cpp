@@ -581,6 +581,61 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "grpc: a multi-step method whose debit could not be recorded answers UNAVAILABLE "
+    "outcome_unknown, never UNKNOWN, and the retry with the same key charges nothing more") {
+  Served<> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::raise, .steps = true});
+  s.counted.method = [&](const ChargeRequest& r, ChargeReply& reply, idem::grpc::Context& c) {
+    REQUIRE(c.attempt != nullptr);
+    const std::string charge_id =
+        c.attempt->external("debited", [&](const std::string& provider_key) {
+          const std::string id =
+              s.world.provider->charge(r.order_id(), r.amount(), provider_key).charge_id;
+          // The charge came back; the commit that records it reaches the store, its reply is
+          // lost: the step cannot know it was recorded.
+          s.world.faulty->lose_replies(idem::sim::Operation::steps);
+          return id;
+        });
+    reply.set_charge_id(charge_id);
+    return grpc::Status::OK;
+  };
+  const Answer first = call(*s.stub, order(), "unknown-1");
+  CHECK(first.status.error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK(first.trailer("idempotency-error") == "outcome_unknown");
+  CHECK(first.status.error_message().find("never a new one") != std::string::npos);
+  CHECK(s.world.charges() == 1);
+
+  s.world.faulty->lose_replies(idem::sim::Operation::steps, false);
+  const Answer retry = call(*s.stub, order(), "unknown-1");
+  CHECK(retry.status.ok());
+  CHECK(retry.reply.charge_id() == "ch_1");
+  CHECK(s.counted.runs == 2);
+  CHECK(s.world.charges() == 1);  // the debit was recorded: the retry did not charge again
+}
+
+TEST_CASE(
+    "grpc: a multi-step method paused past its lease before the debit answers ABORTED "
+    "lease_lost, never UNKNOWN, and charges nothing") {
+  idem::Options o;
+  o.heartbeat = 0ms;  // a paused process renews nothing
+  o.lease = 10s;
+  Served<> s(idem::grpc::GuardOptions{.in_flight = idem::InFlight::raise, .steps = true}, o);
+  s.counted.method = [&](const ChargeRequest& r, ChargeReply& reply, idem::grpc::Context& c) {
+    REQUIRE(c.attempt != nullptr);
+    s.world.clock->advance(11s);  // paused past its 10 s lease
+    const std::string charge_id =
+        c.attempt->external("debited", [&](const std::string& provider_key) {
+          return s.world.provider->charge(r.order_id(), r.amount(), provider_key).charge_id;
+        });
+    reply.set_charge_id(charge_id);
+    return grpc::Status::OK;
+  };
+  const Answer first = call(*s.stub, order(), "paused-1");
+  CHECK(first.status.error_code() == grpc::StatusCode::ABORTED);
+  CHECK(first.trailer("idempotency-error") == "lease_lost");
+  CHECK(s.world.charges() == 0);
+}
+
+TEST_CASE(
     "grpc: the callback API with an executor runs 20 parallel identical calls off gRPC's "
     "threads: one charge, every call its reply") {
   std::mutex m;

@@ -300,7 +300,18 @@ struct Guard::Impl {
       send_trailers();  // the method's own answer, not kept: the key is free for a retry
       return *ran;
     } catch (const BodyThrew& body_threw) {
-      return threw(body_threw.error);
+      // A step's own errors (GuardOptions::steps: Attempt::external) are idem's answers to
+      // give: the call lost its key, or an effect may have happened. "The method threw" would
+      // tell the client the key was released for a new run.
+      try {
+        std::rethrow_exception(body_threw.error);
+      } catch (const LeaseLostError&) {
+        return conclude(context, body_threw.error, out, ran, trailers, reply);
+      } catch (const OutcomeUnknownError&) {
+        return conclude(context, body_threw.error, out, ran, trailers, reply);
+      } catch (...) {
+        return threw(body_threw.error);
+      }
     } catch (const InvalidKeyError& e) {
       return refused(context, StatusCode::INVALID_ARGUMENT, "idempotency_key_invalid", e.what());
     } catch (const KeyReuseError&) {
@@ -326,8 +337,8 @@ struct Guard::Impl {
       return refused(context, StatusCode::DATA_LOSS, "record_corrupt", e.what());
     } catch (const StoreError& e) {
       return refused(context, StatusCode::UNAVAILABLE, "store_unavailable",
-                     fmt::format("the idempotency store is unavailable, nothing ran ({}); retry "
-                                 "with the same key",
+                     fmt::format("the idempotency store is unavailable, this call ran nothing "
+                                 "({}); retry with the same key",
                                  e.what()));
     } catch (const std::exception& e) {
       return Status(StatusCode::INTERNAL, e.what());
