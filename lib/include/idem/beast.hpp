@@ -24,7 +24,9 @@
 //   the handler set (but session and credential fields: LayerOptions::unstored_headers) and the
 //   body bytes, plus "Idempotent-Replayed: true" and "Idempotency-Key-Expires"; a reply that is
 //   not stored (5xx by default, or a body over LayerOptions::max_stored_body, marked
-//   "Idempotent-Not-Stored") releases the key, so the retry runs again.
+//   "Idempotent-Not-Stored") releases the key, so the retry runs again: a handler answers a
+//   5xx (or throws) only before any effect, or makes its effects steps (LayerOptions::steps),
+//   whose progress the release keeps and the retry resumes.
 // Errors are application/problem+json (RFC 9457) with a stable "error" member (idem/http.hpp).
 //
 // This header brings Beast and Asio; the rest of idem needs neither.

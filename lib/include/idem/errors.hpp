@@ -49,16 +49,19 @@ enum class errc {
 
   // The store could not be used: SQLITE_BUSY after busy_timeout, an I/O error, a full
   // disk, a database that cannot be opened. Under FailureMode::fail_closed the action did
-  // not run. Retry with backoff (abseil kUnavailable). HTTP 503.
+  // not run in this call; an earlier call with the same key may have had its effect (its
+  // stored outcome, or a multi-step operation's recorded steps, stand, and a retry with the
+  // same key replays or resumes them). Retry with backoff and the same key (abseil
+  // kUnavailable). HTTP 503.
   store_unavailable,
 
   // A multi-step operation stopped after an effect may have happened: an external step was
   // called and its result could not be recorded, or the store failed after a step had been
-  // recorded or begun (by this attempt or an earlier one). Nothing is lost: the progress stays
-  // on the key and a retry with the same key resumes it, looking an unrecorded call up by its
-  // derived key before calling again. Retry with the same key (abseil kUnavailable), never
-  // with a new one: a new key would do it all again. HTTP 503. OutcomeUnknownError says which
-  // step and, when known, what it returned.
+  // recorded or begun (by this attempt, or by an earlier one whose progress this attempt had
+  // read). Nothing is lost: the progress stays on the key and a retry with the same key
+  // resumes it, looking an unrecorded call up by its derived key before calling again. Retry
+  // with the same key (abseil kUnavailable), never with a new one: a new key would do it all
+  // again. HTTP 503. OutcomeUnknownError says which step and, when known, what it returned.
   outcome_unknown,
 
   // The key's stored record does not decode (a damaged row, or one written by something else).

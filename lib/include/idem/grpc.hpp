@@ -19,7 +19,9 @@
 //     every stored answer carries "idempotency-expires" (RFC 3339, UTC: until when the key is
 //     remembered). A status that is not an outcome (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL,
 //     ...) releases the key: a retry runs the method again. A method that throws is answered
-//     UNKNOWN (as gRPC answers a thrown exception) and releases the key.
+//     UNKNOWN (as gRPC answers a thrown exception) and releases the key. So a method answers
+//     such a status, or throws, only before any effect; or it makes its effects steps
+//     (GuardOptions::steps), whose progress the release keeps and a retry resumes.
 //   idem's own answers, each naming itself in trailing metadata "idempotency-error":
 //     INVALID_ARGUMENT    idempotency_key_required, idempotency_key_invalid: no key, two, or a
 //                         malformed one; nothing ran. Fix the client; do not retry as is.
@@ -32,8 +34,9 @@
 //                         "retry-after-ms" (trailing metadata).
 //     ABORTED             lease_lost: the method ran but its lease was taken over, so its
 //                         reply is not sent. Retry with the same key.
-//     UNAVAILABLE         store_unavailable: the store failed before anything ran
-//                         (FailureMode::fail_closed). Retry with the same key.
+//     UNAVAILABLE         store_unavailable: the store failed before this call ran anything
+//                         (FailureMode::fail_closed; an earlier call with the key may have:
+//                         a retry replays or resumes it). Retry with the same key.
 //     UNAVAILABLE         outcome_unknown: a multi-step method's step failed after an effect
 //                         may have happened. Retry with the same key, never a new one.
 //     DATA_LOSS           record_corrupt: the key's record does not decode; nothing ran. An
