@@ -417,14 +417,16 @@ std::string Layer::policy() const {
       {"scope", d.o.tenant ? "tenant (from the request's credentials), operation, key"
                            : "operation, key (one tenant)"},
       {"operation", d.o.operation ? "named by the service" : "method and path"},
-      {"fingerprint", d.o.fingerprint ? "named request fields" : "Content-Type and body bytes"},
+      {"fingerprint",
+       d.o.fingerprint ? "named request fields" : "target, Content-Type and body bytes"},
       {"reuse_with_another_payload", 422},
       {"expires_after_seconds", seconds(c.ttl)},
       {"expires_after_seconds_by_operation", ttl_by_operation},
       {"in_flight", in_flight == InFlight::wait
                         ? "the duplicate waits for the first and gets its response"
                         : "409 with Retry-After"},
-      {"stored", d.o.store ? "as the service decides" : "status below 500; a 5xx releases the key"},
+      {"stored", d.o.store ? "as the service decides"
+                           : "status below 500 but 408, 425 and 429; those release the key"},
       {"max_stored_body_bytes",
        d.o.max_stored_body ? nlohmann::json(*d.o.max_stored_body) : nlohmann::json(nullptr)},
       {"replayed_header", d.o.replayed_header},

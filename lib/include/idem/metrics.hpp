@@ -57,7 +57,7 @@ struct MetricsSnapshot {
   //   conflict     InProgressError (another request held the key)
   //   reuse        KeyReuseError
   //   released     the action failed; its reservation was released for a retry
-  //   failed_open  the store failed and the action ran unprotected (OnStoreFailure::fail_open)
+  //   failed_open  the store failed and the action ran unprotected (FailureMode::fail_open)
   //   no_key       a request without a key, run unprotected
   //   error        any other error (the store's, a lost lease, a corrupt record, the action's
   //                when nothing was reserved)
