@@ -5,9 +5,13 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <functional>
+#include <future>
 #include <latch>
+#include <system_error>
 #include <thread>
 
 #include "../lib/src/decide.hpp"
@@ -251,6 +255,74 @@ TEST_CASE("group commit: two batches in flight, each round its share, answers in
     CHECK(op.reservation.kind == idem::Reservation::Kind::reserved);
   }
   CHECK(commits.enqueue(ops[0], listener(0)));  // nobody leads or is posted: the lead is free
+}
+
+namespace {
+
+// A store whose batches go to a connection that stays open and says nothing (a pipe nobody
+// writes), with a deadline 50 ms away.
+struct Silent final : idem::StoreWrapper {
+  struct Pending final : idem::PendingApply {
+    Pending(int read_end, std::span<idem::StoreOp* const> o)
+        : fd(read_end), ops(o.begin(), o.end()) {}
+    int descriptor() const noexcept override { return done_ ? -1 : fd; }
+    std::chrono::steady_clock::time_point deadline() const noexcept override { return at; }
+    bool done() const noexcept override { return done_; }
+    void advance() noexcept override { done_ = true; }  // an answer came: nothing failed
+    void fail(std::exception_ptr why) noexcept override {
+      for (idem::StoreOp* op : ops) op->error = why;
+      done_ = true;
+    }
+    int fd;
+    std::vector<idem::StoreOp*> ops;
+    std::chrono::steady_clock::time_point at = std::chrono::steady_clock::now() + 50ms;
+    bool done_ = false;
+  };
+
+  using StoreWrapper::StoreWrapper;
+  std::unique_ptr<idem::PendingApply> start_apply(std::span<idem::StoreOp* const> ops) override {
+    return std::make_unique<Pending>(pipe_fds[0], ops);
+  }
+  int pipe_fds[2] = {-1, -1};
+};
+
+}  // namespace
+
+TEST_CASE(
+    "group commit: a round that cannot wait on the event loop waits for its batch only until "
+    "the batch's deadline, then fails it") {
+  auto store = std::make_shared<Silent>(std::make_shared<idem::SqliteStore>(":memory:"));
+  REQUIRE(::pipe(store->pipe_fds) == 0);
+  idem::detail::GroupCommit commits(*store);
+  const idem::Fingerprint fp = idem::test::request("k").fingerprint;
+  const idem::KeyId id{"alpha", "op", "k"};
+  idem::StoreOp op{.kind = idem::StoreOp::Kind::reserve,
+                   .id = &id,
+                   .fingerprint = &fp,
+                   .now = kNow,
+                   .lease_until = kNow + 30s};
+  std::atomic<bool> committed{false};
+  CHECK(commits.enqueue(op, [&](idem::detail::GroupCommit::Signal s) {
+    committed = s == idem::detail::GroupCommit::Signal::committed;
+  }));
+  // The event loop cannot watch the connection (SocketWait::start threw): the round waits here.
+  const idem::detail::GroupCommit::Drive cannot = [](idem::PendingApply&, std::function<void()>) {
+    throw std::system_error(EMFILE, std::generic_category(), "dup");
+  };
+  auto round = std::async(std::launch::async, [&] { commits.lead(cannot); });
+  if (round.wait_for(30s) != std::future_status::ready) {
+    FAIL_CHECK("the round still waits on a silent connection 30 s after its 50 ms deadline");
+    const char byte = 0;
+    CHECK(::write(store->pipe_fds[1], &byte, 1) == 1);  // let it go, to end the test
+  }
+  round.get();
+  CHECK(committed);  // its writer is told, with the batch's error
+  REQUIRE(op.error);
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(op.error),
+                       doctest::Contains("did not answer a batch by its deadline"),
+                       idem::StoreError);
+  ::close(store->pipe_fds[0]);
+  ::close(store->pipe_fds[1]);
 }
 
 TEST_CASE("group commit: a thread handed a round leads it once, whatever ends meanwhile") {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <thread>
 
@@ -112,17 +113,37 @@ void GroupCommit::lead(const Drive& drive) noexcept {
         once->told = true;
       }
     }
-    while (!r->pending->done()) {
-      pollfd p{r->pending->descriptor(), POLLIN, 0};
-      if (::poll(&p, 1, -1) < 0 && errno != EINTR) {
-        r->pending->fail(
-            std::make_exception_ptr(StoreError("idem: cannot wait for the store's connection", 0)));
-      } else {
-        r->pending->advance();
-      }
-    }
+    wait_blocking(*r->pending);
   }
   finish(*r);
+}
+
+void GroupCommit::wait_blocking(PendingApply& pending) noexcept {
+  using std::chrono::steady_clock;
+  while (!pending.done()) {
+    // Until the batch's deadline, as SocketWait waits: a connection that stays open and says
+    // nothing must not hold this thread (and the round's writers) for ever.
+    const steady_clock::time_point deadline = pending.deadline();
+    int timeout_ms = -1;
+    if (deadline != steady_clock::time_point::max()) {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(deadline - steady_clock::now());
+      if (left.count() <= 0) {
+        pending.fail(std::make_exception_ptr(
+            StoreError("idem: the store did not answer a batch by its deadline", 0)));
+        return;
+      }
+      timeout_ms = static_cast<int>(std::min<std::int64_t>(left.count(), 60'000));  // fits an int
+    }
+    pollfd p{pending.descriptor(), POLLIN, 0};
+    const int ready = ::poll(&p, 1, timeout_ms);
+    if (ready < 0 && errno != EINTR) {
+      pending.fail(
+          std::make_exception_ptr(StoreError("idem: cannot wait for the store's connection", 0)));
+    } else if (ready > 0) {
+      pending.advance();
+    }
+  }
 }
 
 void GroupCommit::commit(StoreOp& op) {

@@ -91,7 +91,8 @@ class GroupCommit {
 
   // A posted round: commits what is queued unless as many rounds as the store allows are
   // running (one of them hands on to the queue when it ends) or nothing is queued. Without
-  // `drive`, a batch the store started is waited for here, blocking.
+  // `drive` (or when it throws), a batch the store started is waited for here, blocking, until
+  // it is done or its deadline (PendingApply::deadline) fails it.
   void lead(const Drive& drive = {}) noexcept;
 
  private:
@@ -117,6 +118,9 @@ class GroupCommit {
   void lead_blocking(std::unique_lock<std::mutex>& lock, const Bell* own);
   // Yields the CPU until the last round's writers are back; backs off when a yield is slow.
   void gather(std::unique_lock<std::mutex>& lock);
+  // Waits on `pending`'s descriptor, advancing it, until it is done or its deadline passes
+  // (then it is failed, as an event loop's wait fails it).
+  static void wait_blocking(PendingApply& pending) noexcept;
   // One round's batch, kept until its writers are told.
   struct Round {
     std::vector<Pending> batch;
