@@ -20,8 +20,18 @@ Reservation found(Record r) {
   return out;
 }
 
-// The fixed allowance per entry: the list node, the index's node and the Record's own fields.
-constexpr std::size_t kEntryOverhead = 256;
+struct Entry {
+  std::string key;
+  Record record;
+  std::size_t bytes;
+};
+using Lru = std::list<Entry>;
+
+// The fixed allowance per entry: the entry (the Record's own fields included) in its list
+// node with two links; the index's node with its own copy of the key's std::string, the
+// iterator, a link and the cached hash, and its bucket; a malloc header for each node.
+constexpr std::size_t kEntryOverhead = sizeof(Entry) + 2 * sizeof(void*) + sizeof(std::string) +
+                                       sizeof(Lru::iterator) + 3 * sizeof(void*) + 2 * 16;
 
 std::string key_of(const KeyId& id) {
   // Tenant, operation and key are printable ASCII: a NUL cannot occur in them.
@@ -34,7 +44,8 @@ std::string key_of(const KeyId& id) {
 }
 
 std::size_t bytes_of(const std::string& key, const Record& r) {
-  std::size_t n = kEntryOverhead + key.size() + r.response.body.size() + r.body_ref.size();
+  // The key's bytes twice: the entry and the index each hold a copy.
+  std::size_t n = kEntryOverhead + 2 * key.size() + r.response.body.size() + r.body_ref.size();
   for (const Header& h : r.response.headers) n += h.name.size() + h.value.size() + 64;
   if (r.recovery_point) n += r.recovery_point->size();
   return n;
@@ -44,17 +55,12 @@ std::size_t bytes_of(const std::string& key, const Record& r) {
 
 struct ReplayCache::Impl {
   ReplayCacheOptions options;
-  struct Entry {
-    std::string key;
-    Record record;
-    std::size_t bytes;
-  };
   mutable std::mutex mutex;
-  std::list<Entry> lru;  // guarded by mutex: the most recently used first
-  std::unordered_map<std::string, std::list<Entry>::iterator> index;  // guarded by mutex
-  Stats stats;                                                        // guarded by mutex
+  Lru lru;  // guarded by mutex: the most recently used first
+  std::unordered_map<std::string, Lru::iterator> index;  // guarded by mutex
+  Stats stats;                                           // guarded by mutex
 
-  void erase(std::list<Entry>::iterator it) {
+  void erase(Lru::iterator it) {
     stats.bytes -= it->bytes;
     index.erase(it->key);
     lru.erase(it);

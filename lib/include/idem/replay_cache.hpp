@@ -34,7 +34,12 @@ struct ReplayCacheOptions {
 //   auto store = std::make_shared<idem::ReplayCache>(std::make_shared<idem::PgStore>(...),
 //                                                   idem::ReplayCacheOptions{.clock = clock});
 // What it cannot see: a record deleted or changed behind idem's back (by hand, or by a
-// migration) stays served from this process's memory until it expires or is evicted.
+// migration) stays served from this process's memory until it expires or is evicted. And a
+// record's expires_at is kept as the store gave it when read: over PgStore with
+// PgClock::database, that is the database's time moved onto this node's clock by the offset
+// measured then, so if this node's clock steps or drifts afterwards, a held record ends that
+// much early or late on it (the store, re-measuring every clock_refresh, would not). Keep
+// the node's clock disciplined (NTP slewing, no steps), or leave the cache off.
 //
 // Thread-safety: safe for concurrent use (one lock around the entries; the wrapped store is
 // called without it).
