@@ -14,7 +14,9 @@
 #include <system_error>
 #include <thread>
 
+#include "../lib/src/attempt.hpp"
 #include "../lib/src/decide.hpp"
+#include "../lib/src/drive.hpp"
 #include "../lib/src/group_commit.hpp"
 #include "../lib/src/pg_sql.hpp"
 #include "../lib/src/read_first.hpp"
@@ -323,6 +325,52 @@ TEST_CASE(
                        idem::StoreError);
   ::close(store->pipe_fds[0]);
   ::close(store->pipe_fds[1]);
+}
+
+namespace {
+
+// The blocking driver's effects, but the way back from the store's first call (begin_external,
+// which marks the step pending) takes `hop` of simulated time: as when the mark is made on a
+// store thread and the event loop that resumes the call is busy.
+struct SlowWayBack : idem::detail::BlockingEffects {
+  idem::sim::SimulatedClock* clock = nullptr;
+  std::chrono::milliseconds hop{};
+  int calls = 0;
+  template <class F>
+  idem::detail::Now<std::invoke_result_t<F&>> store(F f) {
+    auto r = f();
+    if (++calls == 1) clock->advance(hop);
+    return {std::move(r)};
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "steps: an external step whose way back from its pending mark outlasts the lease is not "
+    "called: the lease is checked again on the thread that calls") {
+  idem::Options o;
+  o.heartbeat = 0ms;  // nothing renews the lease meanwhile
+  o.lease = 10s;
+  idem::sim::ProviderOptions instant;
+  instant.latency = 0ms;  // a call made by mistake charges at once
+  idem::test::World w(o, instant);
+  bool called = false;
+  const auto action = [&](idem::Attempt& attempt) -> idem::Response {
+    SlowWayBack slow{{{}, idem::AttemptAccess::core(attempt)}, w.clock.get(), 11s};
+    const std::string charge = idem::detail::external_step(
+                                   attempt, "debited",
+                                   [&](const std::string& key) {
+                                     called = true;
+                                     return w.provider->charge("A-10023", 4990, key).charge_id;
+                                   },
+                                   idem::Attempt::Lookup{}, slow)
+                                   .get();
+    return idem::Response{200, charge, {}};
+  };
+  CHECK_THROWS_AS(w.idem->call_steps(idem::test::request("k1"), action), idem::LeaseLostError);
+  CHECK_FALSE(called);
+  CHECK(w.charges() == 0);
 }
 
 TEST_CASE("group commit: a thread handed a round leads it once, whatever ends meanwhile") {

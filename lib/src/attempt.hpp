@@ -62,6 +62,9 @@ typename P::template Task<std::string> external_step(Attempt& attempt, std::stri
       return true;
     });
   }
+  // On the thread that calls: the way back from the store (another thread's turn, an event
+  // loop's queue) may have taken part of the lease.
+  attempt.check_call(step);
   std::string result = co_await P::run(call, plan.key);
   std::string recorded = co_await perform.store(
       [&] { return attempt.finish_external(step, std::move(result), false); });

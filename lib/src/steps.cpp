@@ -132,13 +132,20 @@ void Attempt::begin_call(std::string_view step) {
                                  margin.count()));
   }
   progress_.pending = name;
-  const TimePoint now = core_.now();
-  if (now + margin >= lease.renew_to && !unchecked) {
-    lease_lost(step, fmt::format("not called: the pending mark came back {} ms after it was "
-                                 "sent, with less than the call margin ({} ms) of the lease left",
-                                 (now - sent).count(), margin.count()));
-  }
+  mark_sent_ = sent;
+  confirmed_until_ = unchecked ? TimePoint::max() : lease.renew_to;
+  check_call(step);
   called_ = true;
+}
+
+void Attempt::check_call(std::string_view step) const {
+  const std::chrono::milliseconds margin = core_.call_margin_for(id_.operation);
+  const TimePoint now = core_.now();
+  if (now + margin >= confirmed_until_) {
+    lease_lost(step, fmt::format("not called: {} ms after the pending mark was sent, less than "
+                                 "the call margin ({} ms) of the lease was left",
+                                 (now - mark_sent_).count(), margin.count()));
+  }
 }
 
 std::string Attempt::finish_external(std::string_view step, std::string result, bool reconciled) {

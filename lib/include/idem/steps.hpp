@@ -131,6 +131,11 @@ class Attempt {
   // call it right before the external call when a look-up found nothing. Throws what every step
   // method throws; after LeaseLostError, do not call.
   void begin_call(std::string_view step);
+  // Checks again, on the thread about to make the call, that the lease begin_call confirmed
+  // still has the call margin left on the coordinator's clock: LeaseLostError if not (then do
+  // not call). A driver that hops between threads after begin_call (or begin_external's
+  // Plan::call) calls it right before the call.
+  void check_call(std::string_view step) const;
   // Records the external step's result.
   std::string finish_external(std::string_view step, std::string result, bool reconciled);
 
@@ -151,6 +156,8 @@ class Attempt {
   Progress progress_;
   bool resumed_;
   bool called_ = false;                // this attempt began an external step
+  TimePoint mark_sent_{};              // begin_call: when its pending mark was sent
+  TimePoint confirmed_until_{};        // begin_call: the lease its mark confirmed
   mutable bool store_failed_ = false;  // a write of this attempt's steps failed in the store
   // What external calls returned in this attempt whose recording failed, by step.
   std::map<std::string, std::string, std::less<>> unrecorded_;
