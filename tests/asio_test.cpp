@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/strand.hpp>
 #include <map>
@@ -23,6 +24,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "idem/sim/driver.hpp"
 #include "test_support.hpp"
@@ -598,4 +602,104 @@ TEST_CASE(
                                 << resumed_on.size() << " threads");
   CHECK(widest > 1);
   CHECK(resumed_on.size() > 1);
+}
+
+namespace {
+
+// A store whose batches go out on a connection (a pipe) that breaks after the batch's first
+// pipeline: the batch goes on on a new connection that got the closed one's descriptor number,
+// as a reconnection does, and the new connection's answer comes after the event loop is back
+// to waiting. The old connection stays open elsewhere and says nothing. When the answer comes,
+// the batch's ops are applied to the real store underneath.
+struct Reconnecting final : idem::StoreWrapper {
+  struct Pending final : idem::PendingApply {
+    Pending(Reconnecting& s, std::span<idem::StoreOp* const> o)
+        : store(s), ops(o.begin(), o.end()) {}
+    int descriptor() const noexcept override { return done_ ? -1 : store.read_fd; }
+    std::chrono::steady_clock::time_point deadline() const noexcept override { return at; }
+    bool done() const noexcept override { return done_; }
+    void advance() noexcept override {
+      char byte = 0;
+      if (::read(store.read_fd, &byte, 1) != 1) return;  // nothing arrived
+      if (!store.reconnected) {
+        // The first pipeline ended and its connection broke: a new one, same number.
+        store.reconnected = true;
+        int fresh[2];
+        if (::pipe2(fresh, O_NONBLOCK) != 0) return fail(std::make_exception_ptr(std::bad_alloc()));
+        store.stale_write_fd = store.write_fd;  // the old peer: open, silent
+        ::dup2(fresh[0], store.read_fd);
+        ::close(fresh[0]);
+        store.write_fd = fresh[1];
+        net::post(*store.io, [fd = store.write_fd] { CHECK(::write(fd, "b", 1) == 1); });
+        return;
+      }
+      store.StoreWrapper::apply(ops);
+      done_ = true;
+    }
+    void fail(std::exception_ptr why) noexcept override {
+      for (idem::StoreOp* op : ops) op->error = why;
+      done_ = true;
+      store.failed = true;
+    }
+    Reconnecting& store;
+    std::vector<idem::StoreOp*> ops;
+    std::chrono::steady_clock::time_point at = std::chrono::steady_clock::now() + 30s;
+    bool done_ = false;
+  };
+
+  Reconnecting(std::shared_ptr<idem::Store> inner, net::io_context& context)
+      : StoreWrapper(std::move(inner)), io(&context) {
+    int fds[2];
+    REQUIRE(::pipe2(fds, O_NONBLOCK) == 0);
+    read_fd = fds[0];
+    write_fd = fds[1];
+  }
+  ~Reconnecting() override {
+    for (int fd : {read_fd, write_fd, stale_write_fd})
+      if (fd >= 0) ::close(fd);
+  }
+  std::unique_ptr<idem::PendingApply> start_apply(std::span<idem::StoreOp* const> ops) override {
+    if (started++ > 0) return nullptr;      // one batch goes through the pipes; later ones apply()
+    CHECK(::write(write_fd, "a", 1) == 1);  // the first pipeline's answer is there at once
+    return std::make_unique<Pending>(*this, ops);
+  }
+  net::io_context* io;
+  int read_fd = -1, write_fd = -1, stale_write_fd = -1;
+  int started = 0;
+  bool reconnected = false;
+  bool failed = false;  // the batch was failed (its deadline passed): the call retried its write
+};
+
+}  // namespace
+
+TEST_CASE(
+    "asio: a batch that moves to a new connection under the old one's descriptor number is "
+    "waited for on the new one") {
+  net::io_context io;
+  auto store = std::make_shared<Reconnecting>(std::make_shared<idem::SqliteStore>(":memory:"), io);
+  idem::Coordinator idem(store, idem::Options{});
+  int charges = 0;
+  std::optional<Outcome> answer;
+  std::string error;
+  net::co_spawn(
+      io,
+      [&]() -> net::awaitable<void> {
+        try {
+          answer =
+              co_await idem::async_call(idem, request("k1"), [&]() -> net::awaitable<Response> {
+                ++charges;
+                co_return Response{200, "ch_1", {}};
+              });
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+      },
+      net::detached);
+  io.run();  // bounded: the batch's deadline is 30 s away
+  CHECK(store->reconnected);
+  CHECK_FALSE(store->failed);
+  CHECK(error == "");
+  REQUIRE(answer);
+  CHECK(answer->response.body == "ch_1");
+  CHECK(charges == 1);
 }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include <poll.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "attempt.hpp"
@@ -170,7 +171,8 @@ void AsyncWaiter::Handle::unregister() { waits.remove(this); }
 // on the store's socket, until the batch is done or its deadline (PendingApply::deadline)
 // passes: then the batch is failed, and the store drops its stalled connection. It waits on a
 // duplicate of the descriptor, so closing its own never closes the store's, and follows the
-// store to a new one if the batch moved connection.
+// store to a new one if the batch moved connection (told by the socket's identity, not its
+// number: a reconnection gets the closed socket's number back).
 class SocketWait : public std::enable_shared_from_this<SocketWait> {
  public:
   // Throws std::system_error if the descriptor cannot be duplicated or registered.
@@ -222,6 +224,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
 
   void watch() {
     watched_ = pending_.descriptor();
+    watched_identity_ = identity(watched_);
     const int fd = ::dup(watched_);
     if (fd < 0) throw std::system_error(errno, std::generic_category(), "dup");
     boost::system::error_code ec;
@@ -262,7 +265,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
     }
     if (!pending_.done()) {
       try {
-        if (pending_.descriptor() != watched_) watch();
+        if (identity(pending_.descriptor()) != watched_identity_) watch();
         arm();
         arm_deadline();
         return;
@@ -271,6 +274,13 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
       }
     }
     end(lock);
+  }
+
+  // Which open socket `fd` is ({0, 0} if none).
+  static std::pair<dev_t, ino_t> identity(int fd) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) return {0, 0};
+    return {st.st_dev, st.st_ino};
   }
 
   static bool readable(int fd) {
@@ -286,6 +296,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
   PendingApply& pending_;
   std::function<void()> finished_;
   int watched_ = -1;
+  std::pair<dev_t, ino_t> watched_identity_{};
   std::chrono::steady_clock::time_point armed_deadline_{};
   bool ended_ = false;  // guarded by mutex_: finished_ ran
 };
