@@ -17,6 +17,7 @@
 #include "../lib/src/attempt.hpp"
 #include "../lib/src/decide.hpp"
 #include "../lib/src/drive.hpp"
+#include "../lib/src/fair_mutex.hpp"
 #include "../lib/src/group_commit.hpp"
 #include "../lib/src/pg_sql.hpp"
 #include "../lib/src/read_first.hpp"
@@ -195,6 +196,37 @@ struct TwoInFlight final : idem::StoreWrapper {
 };
 
 }  // namespace
+
+TEST_CASE(
+    "fair mutex: a waiter that gives up at its deadline leaves the line wherever it stood, and "
+    "those before and after it are still served (x20)") {
+  for (int trial = 0; trial < 20; ++trial) {
+    CAPTURE(trial);
+    idem::detail::FairMutex m;
+    m.lock();
+    std::atomic<int> served{0};
+    const auto serve = [&] {
+      m.lock();
+      ++served;
+      m.unlock();
+    };
+    // B joins the line between A and C, or before or after both (the threads' order varies).
+    std::thread a(serve);
+    bool b_got = true;
+    std::thread b([&] {
+      b_got = m.try_lock_until(std::chrono::steady_clock::now() + std::chrono::milliseconds(5));
+    });
+    std::thread c(serve);
+    b.join();  // the lock stayed held: B gave up
+    CHECK_FALSE(b_got);
+    m.unlock();
+    a.join();
+    c.join();
+    CHECK(served == 2);
+    CHECK(m.try_lock());  // free, nobody left in line
+    m.unlock();
+  }
+}
 
 TEST_CASE("group commit: two batches in flight, each round its share, answers in any order") {
   auto store = std::make_shared<TwoInFlight>(std::make_shared<idem::SqliteStore>(":memory:"));

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include "idem/errors.hpp"
 #include "idem/internal/store_stats.hpp"
@@ -503,4 +504,56 @@ TEST_CASE("postgresql: a duplicate waiting in another node is woken by NOTIFY, n
   CHECK(provider.charge_count() == 1);
   CHECK(idem::detail::StoreStats::of(*b_store).wakeups >= 1);
   CHECK(idem::detail::StoreStats::of(*a_store).notify_batches >= 1);
+}
+
+TEST_CASE(
+    "postgresql: calls queued behind a slow server wait in line for the connection no longer "
+    "than one call ahead may take, then fail having sent nothing") {
+  PgEngine e;
+  IDEM_ENGINE_OR_SKIP(e);
+  // Waiting in line: connect_timeout + statement_timeout + reply_margin = 500 ms at most.
+  idem::PgStore store(e.conninfo, idem::PgOptions{.schema = e.schema,
+                                                  .clock = idem::PgClock::caller,
+                                                  .statement_timeout = 200ms,
+                                                  .reply_margin = 100ms,
+                                                  .connect_timeout = 200ms,
+                                                  .batch_connections = 0});
+  const idem::KeyId id{"alpha", "pay", "slow"};
+  CHECK_FALSE(store.load(id));  // connected and prepared
+  // Another node holds the table: each statement waits for it until statement_timeout.
+  Raw other(e.conninfo);
+  other.scalar("BEGIN");
+  other.scalar(fmt::format("LOCK TABLE {}.idem_keys IN ACCESS EXCLUSIVE MODE", e.schema));
+  constexpr int kCallers = 8;
+  std::latch together(kCallers);
+  std::vector<std::string> errors(kCallers);
+  std::vector<bool> unavailable(kCallers, false);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kCallers; ++i) {
+    callers.emplace_back([&, i] {
+      together.arrive_and_wait();
+      try {
+        store.load(id);
+        errors[static_cast<std::size_t>(i)] = "answered";
+      } catch (const idem::StoreError& err) {
+        errors[static_cast<std::size_t>(i)] = err.what();
+        unavailable[static_cast<std::size_t>(i)] = err.code() == idem::errc::store_unavailable;
+      }
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  other.scalar("ROLLBACK");
+  int cancelled = 0, in_line = 0;
+  for (std::size_t i = 0; i < errors.size(); ++i) {
+    CAPTURE(errors[i]);
+    CHECK(unavailable[i]);
+    if (errors[i].find("statement timeout") != std::string::npos) ++cancelled;
+    if (errors[i].find("in line for the connection") != std::string::npos) ++in_line;
+  }
+  // The first callers' statements ran and were cancelled by the server; those that would have
+  // waited for all of them gave up in line, having sent nothing.
+  CHECK(cancelled + in_line == kCallers);
+  CHECK(cancelled >= 1);
+  CHECK(in_line >= 1);
+  CHECK_FALSE(store.load(id));  // the connection serves again
 }

@@ -265,6 +265,19 @@ std::string PgStore::Impl::literal(const std::string& s) {
   return out;
 }
 
+std::unique_lock<detail::FairMutex> PgStore::Impl::take() {
+  const std::chrono::milliseconds longest =
+      options.connect_timeout + options.statement_timeout + options.reply_margin;
+  if (!mutex.try_lock_until(std::chrono::steady_clock::now() + longest)) {
+    throw StoreError(fmt::format("postgresql: waited {} ms in line for the connection, busy with "
+                                 "the calls ahead of this one (a slow or stalled server); "
+                                 "nothing was sent",
+                                 longest.count()),
+                     0);
+  }
+  return std::unique_lock(mutex, std::adopt_lock);
+}
+
 PgStore::Impl* PgStore::Impl::try_batch() {
   // The first free one: under a light load the first stays busy and warm, and the others
   // connect only when batches overlap.
@@ -702,7 +715,12 @@ void PgStore::apply(std::span<StoreOp* const> ops) {
   std::unique_lock<detail::FairMutex> lock;
   if (s == nullptr) {
     s = &d;
-    lock = std::unique_lock(d.mutex);
+    try {
+      lock = d.take();
+    } catch (const StoreError&) {
+      for (StoreOp* op : ops) op->error = std::current_exception();
+      return;
+    }
   } else {
     lock = std::unique_lock(s->mutex, std::adopt_lock);
   }

@@ -150,11 +150,17 @@ struct PgStore::Impl {
     return connection.run(pgstore::statement_name(s), p);
   }
 
-  // Runs `f` on the connection, under `mutex`. A failure that cost the connection (a break,
-  // a reply that did not come in time) is noted for the reconnection.
+  // `mutex`, waited for in line at most as long as one call ahead may hold it (connecting,
+  // then its statement and the reply margin), so a slow server costs a call that wait and its
+  // own statement, not the statements of everyone ahead. Throws StoreError when it was not
+  // handed over by then (nothing was sent).
+  std::unique_lock<detail::FairMutex> take();
+
+  // Runs `f` on the connection, under `mutex` (take()). A failure that cost the connection (a
+  // break, a reply that did not come in time) is noted for the reconnection.
   template <class F>
   auto locked(F&& f) -> decltype(f()) {
-    std::lock_guard lock(mutex);
+    const std::unique_lock lock = take();
     ensure();
     try {
       return f();

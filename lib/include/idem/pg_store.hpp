@@ -103,6 +103,12 @@ struct PgOptions {
 // sent when the connection broke may have committed (as for any database client): its
 // reservation then expires with its lease, a completion is replayed.
 //
+// Calls that find the connection busy (the main one, or maintenance's) wait in line, first
+// come first served, at most connect_timeout + statement_timeout + reply_margin (what one call
+// ahead may hold it for), then fail with StoreError without sending anything: a slow server
+// (statements that wait for a lock until statement_timeout) costs a call that wait and its
+// own statement, not the statements of everyone queued ahead of it.
+//
 // Thread-safety: safe for concurrent use.
 class PgStore final : public Store, public StepStore {
  public:
@@ -157,7 +163,8 @@ class PgStore final : public Store, public StepStore {
   std::unique_ptr<PendingApply> start_apply(std::span<StoreOp* const> ops) override;
   // PgOptions::batch_connections (at least 1).
   std::size_t concurrent_applies() const noexcept override;
-  // True: every call may wait on the server (up to statement_timeout + reply_margin).
+  // True: every call may wait on the server (up to statement_timeout + reply_margin, after
+  // its wait in line for the connection).
   bool remote() const noexcept override { return true; }
   // PgOptions::notify: wake-ups from other processes (Store::add_change_listener). Throws
   // std::system_error if the listener's thread cannot start.
