@@ -567,6 +567,25 @@ TEST_CASE("outbox: delivered at least once, deduplicated by message id, backoff,
     CHECK(shop.mails() == 1);
     CHECK(shop.mail.duplicates() == 1);
   }
+  SUBCASE(
+      "messages enqueued while a run delivers wait for the next run: an inflow cannot keep "
+      "it running") {
+    int inflow = 0;  // each delivery brings another order, hence another message (50 at most)
+    Dispatcher d(
+        *shop.world.idem,
+        [&](const OutboxMessage& m) {
+          demo::mail_delivery(shop.mail)(m);
+          if (++inflow > 50) return;
+          shop.world.clock->advance(1ms);
+          shop.checkout(fmt::format("inflow-{}", inflow), shop.order(fmt::format("B-{}", inflow)));
+        },
+        OutboxOptions{.batch = 1});
+    CHECK(d.run_once().delivered == 1);  // the one due when it began
+    CHECK(idem::steps_of(*shop.world.store).outbox_counts().pending == 1);
+    CHECK(d.run_once().delivered == 1);
+    CHECK(shop.mails() == 2);
+    CHECK(shop.debits() == 3);
+  }
   SUBCASE("failures back off, doubling; a poisoned message is parked after max_attempts") {
     shop.mail.fail_next(100);
     Dispatcher d(*shop.world.idem, demo::mail_delivery(shop.mail),

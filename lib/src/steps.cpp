@@ -272,10 +272,12 @@ DispatchReport Dispatcher::run_once() {
   detail::CoordinatorCore& core = detail::CoordinatorAccess::core(coordinator_);
   StepStore& store = steps_of(*core.store);
   DispatchReport report;
+  // Only messages due when the run began: those enqueued (or failed) meanwhile wait for the
+  // next run, so a steady inflow cannot keep this one (and a stop() waiting for it) going.
+  const TimePoint began = core.now();
   for (;;) {
-    const TimePoint now = core.now();
     const std::vector<OutboxMessage> batch =
-        store.claim_outbox(now, now + options_.claim_for, options_.batch);
+        store.claim_outbox(began, core.now() + options_.claim_for, options_.batch);
     for (const OutboxMessage& m : batch) {
       std::string failure;
       try {

@@ -243,7 +243,9 @@ class Dispatcher {
   // non-positive first_retry, max_retry below first_retry, a non-positive claim_for or a
   // batch of 0.
   Dispatcher(Coordinator& coordinator, Delivery delivery, OutboxOptions options = {});
-  // Claims due messages and delivers them, batch after batch, until none is due. Throws
+  // Claims the messages due when it began and delivers them, batch after batch, until none
+  // is left (messages enqueued meanwhile wait for the next run, so an inflow cannot keep it
+  // running). Throws
   // StoreError if the outbox cannot be read; a failed delivery is counted and retried later.
   DispatchReport run_once();
   // Deletes messages delivered longer than keep_delivered (at most the TTL) ago. Returns how
