@@ -245,8 +245,8 @@ class Dispatcher {
   Dispatcher(Coordinator& coordinator, Delivery delivery, OutboxOptions options = {});
   // Claims the messages due when it began and delivers them, batch after batch, until none
   // is left (messages enqueued meanwhile wait for the next run, so an inflow cannot keep it
-  // running). Throws
-  // StoreError if the outbox cannot be read; a failed delivery is counted and retried later.
+  // running). Throws StoreError if the outbox cannot be read; a failed delivery is counted
+  // and retried later.
   DispatchReport run_once();
   // Deletes messages delivered longer than keep_delivered (at most the TTL) ago. Returns how
   // many.
