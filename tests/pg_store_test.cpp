@@ -526,29 +526,32 @@ TEST_CASE(
   other.scalar(fmt::format("LOCK TABLE {}.idem_keys IN ACCESS EXCLUSIVE MODE", e.schema));
   constexpr int kCallers = 8;
   std::latch together(kCallers);
-  std::vector<std::string> errors(kCallers);
-  std::vector<bool> unavailable(kCallers, false);
+  struct Answer {
+    std::string error;
+    bool unavailable = false;
+  };
+  std::vector<Answer> answers(kCallers);  // one each: no two threads write the same object
   std::vector<std::thread> callers;
-  for (int i = 0; i < kCallers; ++i) {
-    callers.emplace_back([&, i] {
+  for (Answer& answer : answers) {
+    callers.emplace_back([&] {
       together.arrive_and_wait();
       try {
         store.load(id);
-        errors[static_cast<std::size_t>(i)] = "answered";
+        answer.error = "answered";
       } catch (const idem::StoreError& err) {
-        errors[static_cast<std::size_t>(i)] = err.what();
-        unavailable[static_cast<std::size_t>(i)] = err.code() == idem::errc::store_unavailable;
+        answer.error = err.what();
+        answer.unavailable = err.code() == idem::errc::store_unavailable;
       }
     });
   }
   for (std::thread& t : callers) t.join();
   other.scalar("ROLLBACK");
   int cancelled = 0, in_line = 0;
-  for (std::size_t i = 0; i < errors.size(); ++i) {
-    CAPTURE(errors[i]);
-    CHECK(unavailable[i]);
-    if (errors[i].find("statement timeout") != std::string::npos) ++cancelled;
-    if (errors[i].find("in line for the connection") != std::string::npos) ++in_line;
+  for (const Answer& answer : answers) {
+    CAPTURE(answer.error);
+    CHECK(answer.unavailable);
+    if (answer.error.find("statement timeout") != std::string::npos) ++cancelled;
+    if (answer.error.find("in line for the connection") != std::string::npos) ++in_line;
   }
   // The first callers' statements ran and were cancelled by the server; those that would have
   // waited for all of them gave up in line, having sent nothing.

@@ -223,10 +223,9 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
   }
 
   void watch() {
-    watched_ = pending_.descriptor();
-    watched_identity_ = identity(watched_);
-    const int fd = ::dup(watched_);
+    const int fd = ::dup(pending_.descriptor());
     if (fd < 0) throw std::system_error(errno, std::generic_category(), "dup");
+    watched_ = identity(fd);
     boost::system::error_code ec;
     socket_.close(ec);
     socket_.assign(fd, ec);
@@ -244,7 +243,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
     socket_.async_wait(
         net::posix::stream_descriptor::wait_read,
         [self = shared_from_this()](const boost::system::error_code& ec) { self->ready(ec); });
-    if (readable(watched_)) {
+    if (readable(socket_.native_handle())) {
       boost::system::error_code ignored;
       socket_.cancel(ignored);
     }
@@ -265,7 +264,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
     }
     if (!pending_.done()) {
       try {
-        if (identity(pending_.descriptor()) != watched_identity_) watch();
+        if (identity(pending_.descriptor()) != watched_) watch();
         arm();
         arm_deadline();
         return;
@@ -295,8 +294,7 @@ class SocketWait : public std::enable_shared_from_this<SocketWait> {
   net::steady_timer timer_;
   PendingApply& pending_;
   std::function<void()> finished_;
-  int watched_ = -1;
-  std::pair<dev_t, ino_t> watched_identity_{};
+  std::pair<dev_t, ino_t> watched_{};  // identity() of the store's socket socket_ duplicates
   std::chrono::steady_clock::time_point armed_deadline_{};
   bool ended_ = false;  // guarded by mutex_: finished_ ran
 };
