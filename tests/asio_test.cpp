@@ -703,3 +703,93 @@ TEST_CASE(
   CHECK(answer->response.body == "ch_1");
   CHECK(charges == 1);
 }
+
+namespace {
+
+// A coordinator on a SQLite file whose actions count every run (the count is the effect: no
+// downstream here deduplicates), and a coroutine call on it that records its outcome.
+struct TwoLoops {
+  idem::test::TempDir dir;
+  std::shared_ptr<idem::SqliteStore> store = std::make_shared<idem::SqliteStore>(dir.file("l.db"));
+  idem::Coordinator idem{store, {}};
+  int runs = 0;
+
+  net::awaitable<void> call(std::string key, std::optional<Outcome>& out) {
+    out = co_await idem::async_call(idem, request(std::move(key)),
+                                    [this]() -> net::awaitable<Response> {
+                                      ++runs;
+                                      co_return Response{200, "ch_" + std::to_string(runs), {}};
+                                    });
+  }
+  // Steps `io` until the call's action has run: its completion is then queued in the group
+  // commit and its round posted to `io`, not run.
+  void until_completion_posted(net::io_context& io, int runs_before) {
+    while (runs == runs_before) REQUIRE(io.run_one() == 1);
+    REQUIRE(idem::detail::StoreStats::of(*store).ops == static_cast<std::uint64_t>(runs) * 2 - 1);
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "asio: a coroutine's write does not wait for a round posted to another io_context that was "
+    "stopped") {
+  TwoLoops w;
+  net::io_context stopped(1), live(1);
+  std::optional<Outcome> a, b;
+  spawn(stopped, w.call("k-a", a));
+  w.until_completion_posted(stopped, 0);
+  stopped.stop();  // as a server's forced shutdown does; the context is not destroyed
+  spawn(live, w.call("k-b", b));
+  live.run_for(30s);  // a bound, not a synchronisation: with the fix it returns when b is done
+  REQUIRE(b);         // b's rounds ran on its own loop, and took a's completion with them
+  CHECK(b->source == Outcome::Source::executed);
+  CHECK(idem::detail::StoreStats::of(*w.store).ops == 4);
+  stopped.restart();
+  stopped.run();  // a resumes: its completion was committed by b's round
+  REQUIRE(a);
+  CHECK(a->source == Outcome::Source::executed);
+  CHECK(w.runs == 2);
+  std::optional<Outcome> again;
+  spawn(live, w.call("k-a", again));
+  live.restart();
+  live.run();
+  REQUIRE(again);
+  CHECK(again->replayed());
+  CHECK(again->response.body == a->response.body);
+  CHECK(w.runs == 2);  // each key charged once
+}
+
+TEST_CASE(
+    "asio: a round that was posted to an io_context destroyed before it ran does not hold up "
+    "the next io_context") {
+  TwoLoops w;
+  std::optional<net::io_context> io;  // the next context is built in the same storage
+  std::optional<Outcome> a, c;
+  io.emplace(1);
+  spawn(*io, w.call("k-a", a));
+  w.until_completion_posted(*io, 0);
+  io->stop();
+  // A blocking caller leads at once; its round commits a's completion too.
+  const Outcome t = w.idem.call(request("k-t"), [&w] {
+    ++w.runs;
+    return Response{200, "ch_t", {}};
+  });
+  CHECK(t.source == Outcome::Source::executed);
+  CHECK(idem::detail::StoreStats::of(*w.store).ops == 4);
+  io.reset();  // destroys a's resumption and the round posted to it, neither run
+  CHECK_FALSE(a);
+  io.emplace(1);
+  spawn(*io, w.call("k-c", c));
+  io->run_for(30s);  // a bound, not a synchronisation
+  REQUIRE(c);
+  CHECK(c->source == Outcome::Source::executed);
+  CHECK(w.runs == 3);
+  std::optional<Outcome> again;
+  spawn(*io, w.call("k-a", again));
+  io->restart();
+  io->run();
+  REQUIRE(again);
+  CHECK(again->replayed());  // a's completion was committed, though a never heard
+  CHECK(w.runs == 3);
+}

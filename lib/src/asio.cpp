@@ -447,13 +447,32 @@ net::awaitable<detail::Loaded> batched_read(detail::CoordinatorCore& core, const
 // never waits on it; the batch's results are waited for on `ex` all the same.
 void lead_round(detail::CoordinatorCore& core, const net::any_io_executor& ex) {
   const auto lead = [&commits = core.commits, ex] {
-    commits.lead([&ex](PendingApply& pending, std::function<void()> finished) {
-      SocketWait::start(ex, pending, std::move(finished));
-    });
+    commits.lead(
+        [&ex](PendingApply& pending, std::function<void()> finished) {
+          SocketWait::start(ex, pending, std::move(finished));
+        },
+        &net::query(ex, net::execution::context));
   };
   if (!core.store->remote()) return lead();
   const auto work = net::prefer(ex, net::execution::outstanding_work.tracked);
   core.store_threads.post([lead, work] { lead(); });
+}
+
+// Posts a round to `ex`. If its io_context is destroyed with the round unrun (it was stopped),
+// the group commit hears that the context has no round posted any more.
+void post_round(detail::CoordinatorCore& core, const net::any_io_executor& ex) {
+  struct Posted {
+    detail::CoordinatorCore* core;
+    net::any_io_executor ex;
+    Posted(detail::CoordinatorCore& c, net::any_io_executor e) : core(&c), ex(std::move(e)) {}
+    Posted(Posted&& o) noexcept : core(std::exchange(o.core, nullptr)), ex(o.ex) {}
+    Posted& operator=(Posted&&) = delete;
+    ~Posted() {
+      if (core != nullptr) core->commits.dropped(&net::query(ex, net::execution::context));
+    }
+    void operator()() { lead_round(*std::exchange(core, nullptr), ex); }
+  };
+  net::post(ex, Posted(core, ex));
 }
 
 // Hands `op` to the coordinator's group commit and suspends until it is committed. The
@@ -473,10 +492,11 @@ net::awaitable<void> group_write(detail::CoordinatorCore& core, StoreOp& op) {
           if (s == Signal::committed) {
             net::post(std::move(*resume));
           } else {
-            net::post(ex, [&core, ex] { lead_round(core, ex); });
+            post_round(core, ex);
           }
         };
-        if (core.commits.enqueue(op, notify)) net::post(ex, [&core, ex] { lead_round(core, ex); });
+        if (core.commits.enqueue(op, notify, &net::query(ex, net::execution::context)))
+          post_round(core, ex);
       },
       net::use_awaitable);
 }

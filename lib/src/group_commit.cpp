@@ -51,12 +51,17 @@ void GroupCommit::Pending::tell(Signal s) const {
   }
 }
 
-bool GroupCommit::enqueue(StoreOp& op, Notify notify) {
+bool GroupCommit::enqueue(StoreOp& op, Notify notify, const void* context) {
   std::lock_guard lock(mutex_);
-  queue_.push_back(Pending{&op, std::move(notify), nullptr});
-  if (rounds_ >= max_rounds_ || lead_posted_) return false;
-  lead_posted_ = true;
+  queue_.push_back(Pending{&op, std::move(notify), nullptr, context});
+  if (rounds_ >= max_rounds_ || std::ranges::find(posted_, context) != posted_.end()) return false;
+  posted_.push_back(context);
   return true;
+}
+
+void GroupCommit::dropped(const void* context) noexcept {
+  std::lock_guard lock(mutex_);
+  std::erase(posted_, context);
 }
 
 std::size_t GroupCommit::rounds_running() {
@@ -69,9 +74,9 @@ std::size_t GroupCommit::queued() {
   return queue_.size();
 }
 
-void GroupCommit::lead(const Drive& drive) noexcept {
+void GroupCommit::lead(const Drive& drive, const void* context) noexcept {
   std::unique_lock lock(mutex_);
-  lead_posted_ = false;
+  std::erase(posted_, context);
   if (rounds_ >= max_rounds_ || queue_.empty()) return;  // a running round hands on
   ++rounds_;
   // With connections to spare, a round takes its share of the queue and the rest goes out
@@ -232,7 +237,7 @@ std::shared_ptr<GroupCommit::Round> GroupCommit::take(std::unique_lock<std::mute
 std::optional<GroupCommit::Pending> GroupCommit::hand_on() {
   if (queue_.empty() || rounds_ >= max_rounds_) return std::nullopt;
   // To a waiting thread if there is one (it needs no event loop), else to the first
-  // coroutine, unless a round is already posted.
+  // coroutine whose event loop has no round posted yet (one that has will run it).
   const auto next = std::find_if(queue_.begin(), queue_.end(),
                                  [](const Pending& p) { return p.bell != nullptr && !p.leading; });
   if (next != queue_.end()) {
@@ -240,11 +245,11 @@ std::optional<GroupCommit::Pending> GroupCommit::hand_on() {
     next->leading = true;
     return *next;
   }
-  if (lead_posted_) return std::nullopt;
-  const auto coroutine = std::find_if(queue_.begin(), queue_.end(),
-                                      [](const Pending& p) { return p.bell == nullptr; });
-  if (coroutine == queue_.end()) return std::nullopt;  // only threads that lead already
-  lead_posted_ = true;
+  const auto coroutine = std::find_if(queue_.begin(), queue_.end(), [this](const Pending& p) {
+    return p.bell == nullptr && std::ranges::find(posted_, p.context) == posted_.end();
+  });
+  if (coroutine == queue_.end()) return std::nullopt;  // threads that lead, or posted rounds
+  posted_.push_back(coroutine->context);
   return *coroutine;
 }
 

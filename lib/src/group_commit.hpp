@@ -23,7 +23,9 @@
 // yield hands the CPU to a thread busy with other work (a slow yield), gathering backs off.
 //
 // A coroutine writer posts its round to its executor, so every coroutine that becomes ready
-// in the same turn joins the batch; its ops may also be committed by any other leader. Its
+// in the same turn joins the batch; its ops may also be committed by any other leader. Rounds
+// are posted per event loop: a coroutine never waits for a round posted to another loop, whose
+// thread may be busy with other work, or stopped for good. Its
 // round starts the batch with Store::start_apply() where the store can, and the event loop
 // waits for the store's socket (lead()'s Drive), so its thread runs other coroutines
 // meanwhile; otherwise the round runs Store::apply() on that thread. The io_context of a
@@ -76,9 +78,13 @@ class GroupCommit {
   // `op` is committed.
   void commit(StoreOp& op);
 
-  // For a coroutine: queues `op`; `notify` hears `committed` once it is, or `lead`. Returns
-  // true when the caller must post lead() itself (nobody commits or has a round posted).
-  bool enqueue(StoreOp& op, Notify notify);
+  // For a coroutine of the event loop `context` (its execution context's address): queues
+  // `op`; `notify` hears `committed` once it is, or `lead` (post lead() to `context`).
+  // Returns true when the caller must post lead(…, context) itself: no round is free to hand
+  // on to it, or none is posted to its own event loop. Rounds are posted per event loop, as
+  // reads are batched per event loop: a coroutine's write never waits for a round posted to
+  // another loop, whose thread may be busy, or stopped and never run it.
+  bool enqueue(StoreOp& op, Notify notify, const void* context = nullptr);
 
   // How a coroutine's round waits for a batch the store started (Store::start_apply): waits
   // for the descriptor, calls advance() until done() and then `finished`, once, on any
@@ -89,11 +95,14 @@ class GroupCommit {
   std::size_t rounds_running();
   std::size_t queued();
 
-  // A posted round: commits what is queued unless as many rounds as the store allows are
-  // running (one of them hands on to the queue when it ends) or nothing is queued. Without
-  // `drive` (or when it throws), a batch the store started is waited for here, blocking, until
-  // it is done or its deadline (PendingApply::deadline) fails it.
-  void lead(const Drive& drive = {}) noexcept;
+  // A round posted to `context`: commits what is queued unless as many rounds as the store
+  // allows are running (one of them hands on to the queue when it ends) or nothing is queued.
+  // Without `drive` (or when it throws), a batch the store started is waited for here,
+  // blocking, until it is done or its deadline (PendingApply::deadline) fails it.
+  void lead(const Drive& drive = {}, const void* context = nullptr) noexcept;
+  // A round posted to `context` was destroyed without running (its event loop was destroyed
+  // after it stopped): `context` has no round posted any more.
+  void dropped(const void* context) noexcept;
 
  private:
   // A blocking thread's doorbell, one per thread, shared with the round that rings it so a
@@ -106,8 +115,9 @@ class GroupCommit {
 
   struct Pending {
     StoreOp* op;
-    Notify notify;               // a coroutine writer
-    std::shared_ptr<Bell> bell;  // a blocking writer, which can run a round at once
+    Notify notify;                  // a coroutine writer
+    std::shared_ptr<Bell> bell;     // a blocking writer, which can run a round at once
+    const void* context = nullptr;  // a coroutine writer's event loop
     // A blocking writer that leads a round (on its own, or handed one): no other round takes
     // its op and it is never handed another, so each round counted is run once.
     bool leading = false;
@@ -135,8 +145,8 @@ class GroupCommit {
   std::shared_ptr<Round> take(std::unique_lock<std::mutex>& lock, std::size_t most,
                               const Bell* own);
   // Who leads the next round, if the queue holds writes and a round is free: counted in
-  // rounds_ for a thread, lead_posted_ for a coroutine. Requires the lock; the caller tells
-  // it after releasing the lock.
+  // rounds_ for a thread, in posted_ for a coroutine. Requires the lock; the caller tells it
+  // after releasing the lock.
   std::optional<Pending> hand_on();
   // Runs one round with Store::apply() for the leading thread `own`; returns with the lock
   // released.
@@ -157,7 +167,8 @@ class GroupCommit {
   std::mutex mutex_;
   std::vector<Pending> queue_;  // guarded by mutex_
   std::size_t rounds_ = 0;      // guarded by mutex_: rounds running (or handed to a thread)
-  bool lead_posted_ = false;    // guarded by mutex_: a coroutine's round is posted, not started
+  // Guarded by mutex_: the event loops that have a coroutine's round posted, not started.
+  std::vector<const void*> posted_;
   std::size_t last_batch_ = 0;  // guarded by mutex_: ops in the last round
   int gather_skips_ = 0;        // guarded by mutex_: rounds left that do not gather
   int gather_backoff_ = 1;      // guarded by mutex_: how many to skip after a slow gather
