@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/asio/buffer.hpp>
 #include <boost/beast/core/string.hpp>
 #include <boost/beast/http/field.hpp>
@@ -54,6 +55,17 @@ bool per_message(std::string_view name) {
   return false;
 }
 
+// Fields that carry a session or credentials (session_fields()): never stored, never
+// replayed, whatever LayerOptions say.
+constexpr std::array<std::string_view, 4> kSessionFields{
+    "Set-Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"};
+
+bool session_field(std::string_view name) {
+  return std::any_of(kSessionFields.begin(), kSessionFields.end(), [name](std::string_view f) {
+    return boost::beast::iequals({name.data(), name.size()}, {f.data(), f.size()});
+  });
+}
+
 bool named(std::string_view name, const std::vector<std::string>& names) {
   return std::any_of(names.begin(), names.end(), [name](const std::string& n) {
     return boost::beast::iequals({name.data(), name.size()}, {n.data(), n.size()});
@@ -96,9 +108,7 @@ std::function<Fingerprint(const Request&)> json_fields(std::vector<std::string> 
   };
 }
 
-std::vector<std::string> session_fields() {
-  return {"Set-Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"};
-}
+std::vector<std::string> session_fields() { return {kSessionFields.begin(), kSessionFields.end()}; }
 
 bool is_outcome(unsigned status) {
   // 408, 425 and 429 say "not now" (timeout, too early, rate limited): stored, they would
@@ -255,7 +265,7 @@ struct Layer::Impl {
     s.status = static_cast<int>(r.result_int());
     for (const auto& f : r) {
       const std::string_view name = sv(f.name_string());
-      if (per_message(name) || named(name, o.unstored_headers)) continue;
+      if (per_message(name) || session_field(name) || named(name, o.unstored_headers)) continue;
       if (!o.stored_headers.empty() && !named(name, o.stored_headers)) continue;
       s.headers.push_back({std::string(name), std::string(f.value())});
     }

@@ -21,8 +21,8 @@
 //       (OutcomeUnknownError): retry with the same key, never a new one;
 //   the handler's reply otherwise: stored when LayerOptions::store says so (2xx, 3xx and
 //   4xx but 408/425/429 by default) and then replayed to every duplicate with status, the headers
-//   the handler set (but session and credential fields: LayerOptions::unstored_headers) and the
-//   body bytes, plus "Idempotent-Replayed: true" and "Idempotency-Key-Expires"; a reply that is
+//   the handler set (never session_fields() nor LayerOptions::unstored_headers) and the body
+//   bytes, plus "Idempotent-Replayed: true" and "Idempotency-Key-Expires"; a reply that is
 //   not stored (5xx by default, or a body over LayerOptions::max_stored_body, marked
 //   "Idempotent-Not-Stored") releases the key, so the retry runs again: a handler answers a
 //   5xx (or throws) only before any effect, or makes its effects steps (LayerOptions::steps),
@@ -69,10 +69,10 @@ struct Context {
 };
 
 // Response fields that carry a session or credentials: Set-Cookie, Set-Cookie2,
-// Authentication-Info, Proxy-Authentication-Info. The layer never stores or replays them by
-// default (LayerOptions::unstored_headers): the first caller gets them from its own handler
-// run; a duplicate, perhaps another person behind the same tenant, never gets the first one's
-// session.
+// Authentication-Info, Proxy-Authentication-Info. The layer never stores or replays them,
+// whatever its options say (LayerOptions::unstored_headers adds the service's own): the first
+// caller gets them from its own handler run; a duplicate, perhaps another person behind the
+// same tenant, never gets the first one's session.
 std::vector<std::string> session_fields();
 
 // The two shapes of handler the layer runs. A handler's exception propagates out of the
@@ -122,10 +122,10 @@ struct LayerOptions {
   // "not now": the key is released.
   std::function<bool(const Reply&)> store{};
 
-  // Response fields neither stored nor replayed, matched case-insensitively: the caller whose
-  // request ran gets them, a duplicate never does. Default: session_fields(). Add the service's
-  // own session or credential fields (an X-Session-Token); never empty it without a reason.
-  std::vector<std::string> unstored_headers = session_fields();
+  // Response fields neither stored nor replayed besides session_fields(), which never are,
+  // matched case-insensitively: the caller whose request ran gets them, a duplicate never
+  // does. The service's own session or credential fields (an X-Session-Token). Default: none.
+  std::vector<std::string> unstored_headers{};
   // If not empty, the only response fields stored and replayed (an allow-list, matched
   // case-insensitively; unstored_headers still apply). Default: empty, every field but those.
   std::vector<std::string> stored_headers{};
