@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "idem/errors.hpp"
 #include "sha256.hpp"
 
@@ -22,6 +24,13 @@ void validate_key_part(std::string_view field, std::string_view value) {
   if (value.size() > kMaxKeyBytes) {
     throw InvalidKeyError(std::string(field), fmt::format("is longer than {} bytes ({} bytes)",
                                                           kMaxKeyBytes, value.size()));
+  }
+  // Every call checks its three parts: the common case, all printable, in one pass.
+  if (std::all_of(value.begin(), value.end(), [](char c) {
+        const auto byte = static_cast<unsigned char>(c);
+        return byte >= 0x20 && byte < 0x7f;
+      })) {
+    return;
   }
   for (std::size_t i = 0; i < value.size(); ++i) {
     const auto byte = static_cast<unsigned char>(value[i]);

@@ -3,19 +3,31 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "idem/errors.hpp"
 
 namespace idem::detail {
 namespace {
 
-// A column that must hold an integer (the table is STRICT, so only a corrupt or foreign
-// file holds anything else).
-std::int64_t integer(const sqlite::Statement& s, int column, std::string_view name) {
-  if (s.type(column) != sqlite::Statement::Type::integer) {
-    throw CorruptRecordError(fmt::format("sqlite: a stored {} is not an integer", name));
+// A column that holds an integer or NULL (the table is STRICT, so only a corrupt or foreign
+// file holds anything else). Its type is asked once: a replay reads a dozen columns.
+std::optional<std::int64_t> nullable_integer(const sqlite::Statement& s, int column,
+                                             std::string_view name) {
+  switch (s.type(column)) {
+    case sqlite::Statement::Type::null:
+      return std::nullopt;
+    case sqlite::Statement::Type::integer:
+      return s.int64(column);
+    default:
+      throw CorruptRecordError(fmt::format("sqlite: a stored {} is not an integer", name));
   }
-  return s.int64(column);
+}
+
+// A column that must hold an integer.
+std::int64_t integer(const sqlite::Statement& s, int column, std::string_view name) {
+  if (const std::optional<std::int64_t> v = nullable_integer(s, column, name)) return *v;
+  throw CorruptRecordError(fmt::format("sqlite: a stored {} is not an integer", name));
 }
 
 }  // namespace
@@ -49,10 +61,11 @@ void bind_response(sqlite::Statement& s, int first, const StoredResponse& r,
 Record read_record(const sqlite::Statement& s) {
   Record r;
   Fingerprint::Bytes bytes{};
-  if (s.type(0) != sqlite::Statement::Type::blob || s.blob_view(0).size() != bytes.size()) {
+  const std::string_view fp =
+      s.type(0) == sqlite::Statement::Type::blob ? s.blob_view(0) : std::string_view();
+  if (fp.size() != bytes.size()) {
     throw CorruptRecordError("sqlite: a stored fingerprint is not a 32-byte blob");
   }
-  const std::string_view fp = s.blob_view(0);
   std::copy_n(fp.begin(), bytes.size(), bytes.begin());
   r.fingerprint = Fingerprint(bytes);
   const std::int64_t state = integer(s, 1, "state");
@@ -64,12 +77,14 @@ Record read_record(const sqlite::Statement& s) {
   r.lease_until = at_ms(integer(s, 3, "lease_until"));
   r.created_at = at_ms(integer(s, 4, "created_at"));
   r.expires_at = at_ms(integer(s, 5, "expires_at"));
-  if (!s.is_null(6)) r.response.status = static_cast<int>(integer(s, 6, "status"));
+  if (const auto status = nullable_integer(s, 6, "status")) {
+    r.response.status = static_cast<int>(*status);
+  }
   if (!s.is_null(7)) r.response.headers = headers_from_json(s.text(7));
   r.response.body = s.blob(8);
   if (!s.is_null(9)) r.body_ref = s.text(9);
   if (!s.is_null(10)) r.recovery_point = s.text(10);
-  if (!s.is_null(11)) r.claim = integer(s, 11, "claim");
+  r.claim = nullable_integer(s, 11, "claim").value_or(0);
   return r;
 }
 
