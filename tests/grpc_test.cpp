@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "idem_test.grpc.pb.h"
@@ -485,6 +486,40 @@ TEST_CASE("grpc: call_with_key retries UNAVAILABLE with the same key and backs o
   CHECK(waits.size() == 2);
   CHECK_THROWS_AS(idem::grpc::call_with_key("", attempt), idem::error);
   CHECK_THROWS_AS(idem::grpc::call_with_key("k", attempt, {.max_attempts = 0}), idem::error);
+  CHECK_THROWS_AS(idem::grpc::call_with_key("k", attempt, {.max_wait = -1ms}), idem::error);
+}
+
+TEST_CASE(
+    "grpc: call_with_key waits at least the server's retry-after-ms, and returns the answer of "
+    "a server that asks for more than max_wait") {
+  Served<> s;
+  std::string asked;  // the method's retry-after-ms; it answers UNAVAILABLE while one is set
+  const Method charge = s.counted.method;
+  s.counted.method = [&](const ChargeRequest& r, ChargeReply& reply, idem::grpc::Context& c) {
+    if (asked.empty()) return charge(r, reply, c);
+    c.trailers.push_back({"retry-after-ms", std::exchange(asked, "")});
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "busy");
+  };
+  std::vector<std::chrono::milliseconds> waits;
+  const idem::grpc::RetryOptions retry{
+      .initial_backoff = 10ms, .max_wait = 5s, .sleep = [&](std::chrono::milliseconds w) {
+        waits.push_back(w);
+      }};
+  ChargeReply reply;
+  const auto attempt = [&](grpc::ClientContext& context) {
+    context.set_deadline(std::chrono::system_clock::now() + 30s);
+    return s.stub->Charge(&context, order(), &reply);
+  };
+  asked = "1500";
+  REQUIRE(idem::grpc::call_with_key(idem::grpc::new_key(), attempt, retry).ok());
+  CHECK(waits == std::vector<std::chrono::milliseconds>{1500ms});
+  CHECK(s.world.charges() == 1);
+  waits.clear();
+  asked = "9000000000000000000";  // a server (or a proxy) asking for ever
+  const grpc::Status st = idem::grpc::call_with_key(idem::grpc::new_key(), attempt, retry);
+  CHECK(st.error_code() == grpc::StatusCode::UNAVAILABLE);
+  CHECK(waits.empty());  // returned at once, not asleep
+  CHECK(s.world.charges() == 1);
 }
 
 TEST_CASE(

@@ -411,6 +411,7 @@ Status call_with_key(std::string_view key, const ClientAttempt& attempt,
   check(options.max_attempts >= 1, "max_attempts is below 1");
   check(options.initial_backoff.count() >= 0 && options.max_backoff.count() >= 0,
         "a backoff is negative");
+  check(options.max_wait.count() >= 0, "max_wait is negative");
   check(options.multiplier >= 1, "multiplier is below 1");
   check(static_cast<bool>(attempt), "no attempt");
   std::mt19937_64 jitter{std::random_device{}()};
@@ -434,6 +435,7 @@ Status call_with_key(std::string_view key, const ClientAttempt& attempt,
         // a malformed retry-after is ignored: the backoff stands
       }
     }
+    if (wait > options.max_wait) return s;  // the caller decides whether to wait that long
     if (options.sleep) {
       options.sleep(wait);
     } else {

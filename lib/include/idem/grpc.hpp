@@ -192,6 +192,10 @@ struct RetryOptions {
   std::chrono::milliseconds initial_backoff{100};
   std::chrono::milliseconds max_backoff{2000};
   double multiplier = 2;
+  // The longest wait before a retry, the server's "retry-after-ms" included: a server that
+  // asks for longer (a holder whose lease ends later, a proxy's bad value) gets its answer
+  // returned instead of a client asleep for that long.
+  std::chrono::milliseconds max_wait{30000};
   // How the helper waits before a retry. Default: std::this_thread::sleep_for.
   std::function<void(std::chrono::milliseconds)> sleep{};
 };
@@ -204,10 +208,11 @@ using ClientAttempt = std::function<::grpc::Status(::grpc::ClientContext& contex
 // DEADLINE_EXCEEDED or ABORTED: after those a retry with the same key is safe (the guard
 // replays the first call's answer, waits for it or runs the method once) and may succeed.
 // Before retry n it waits a backoff drawn between half and all of initial_backoff *
-// multiplier^(n-1), at most max_backoff, and at least the server's "retry-after-ms". Any other
-// status, or the last attempt's, is returned. Throws idem::error(errc::invalid_argument) for
-// an empty key or key_metadata, max_attempts below 1, a negative backoff or a multiplier
-// below 1; the attempt's own exceptions pass through.
+// multiplier^(n-1), at most max_backoff, and at least the server's "retry-after-ms"; when the
+// server asks for more than max_wait, its answer is returned. Any other status, or the last
+// attempt's, is returned. Throws idem::error(errc::invalid_argument) for an empty key or
+// key_metadata, max_attempts below 1, a negative backoff or max_wait, or a multiplier below 1;
+// the attempt's own exceptions pass through.
 ::grpc::Status call_with_key(std::string_view key, const ClientAttempt& attempt,
                              const RetryOptions& options = {});
 
