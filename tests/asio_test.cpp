@@ -793,3 +793,60 @@ TEST_CASE(
   CHECK(again->replayed());  // a's completion was committed, though a never heard
   CHECK(w.runs == 3);
 }
+
+namespace {
+
+// A store that says it may wait on a network, as PgStore does (its batches then answer on
+// the event loop that waits for them), and notes the thread that applies each release.
+struct RemoteStore final : idem::StoreWrapper {
+  using StoreWrapper::StoreWrapper;
+  bool remote() const noexcept override { return true; }
+  void apply(std::span<idem::StoreOp* const> ops) override {
+    for (const idem::StoreOp* op : ops) {
+      if (op->kind != idem::StoreOp::Kind::release) continue;
+      std::lock_guard lock(mutex);
+      release_threads.push_back(std::this_thread::get_id());
+    }
+    StoreWrapper::apply(ops);
+  }
+  std::mutex mutex;
+  std::vector<std::thread::id> release_threads;  // guarded by mutex
+};
+
+}  // namespace
+
+TEST_CASE(
+    "asio: Maintenance releases a remote store's lost reservations on the coordinator's store "
+    "threads, never on its executor's thread") {
+  World w({}, idem::sim::ProviderOptions{.latency = 0ms});
+  auto remote = std::make_shared<RemoteStore>(w.faulty);
+  idem::Coordinator node(remote, {.in_flight = InFlight::raise,
+                                  .lease = 30s,
+                                  .heartbeat = 0ms,
+                                  .on_store_failure = idem::FailureMode::fail_closed,
+                                  .clock = w.clock});
+  // The reservation commits, its answer is lost and the look after it fails: lost.
+  w.faulty->lose_replies(idem::sim::Operation::reserve);
+  w.faulty->fail(idem::sim::Operation::load);
+  CHECK_THROWS_AS(node.call(request("k1"), w.charge_action(0ms)), idem::StoreError);
+  w.faulty->lose_replies(idem::sim::Operation::reserve, false);
+  w.faulty->fail(idem::sim::Operation::load, false);
+  idem::Maintenance maintenance(node, {});
+  net::io_context io(1);
+  std::optional<idem::MaintenanceReport> report;
+  // (named: a coroutine lambda's captures live in the lambda, which must outlive the run)
+  const auto once = [&]() -> net::awaitable<void> { report = co_await maintenance.run_once(); };
+  spawn(io, once());
+  io.run();
+  REQUIRE(report);
+  CHECK(report->lost_released == 1);
+  {
+    std::lock_guard lock(remote->mutex);
+    REQUIRE(remote->release_threads.size() == 1);
+    // The executor's thread is this one: a release made here would wait for the group
+    // commit while a round of the executor's own may wait for this thread.
+    CHECK(remote->release_threads[0] != std::this_thread::get_id());
+  }
+  CHECK(node.call(request("k1"), w.charge_action(0ms)).source == Outcome::Source::executed);
+  CHECK(w.charges() == 1);
+}

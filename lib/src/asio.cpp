@@ -585,7 +585,11 @@ void Maintenance::resume(std::string operation, AsyncStepsAction action) {
 
 void Maintenance::deliver(Delivery delivery) { impl_->deliver(std::move(delivery)); }
 
-net::awaitable<MaintenanceReport> Maintenance::run_once() { return impl_->run_once(); }
+net::awaitable<MaintenanceReport> Maintenance::run_once() {
+  // (named first: g++ 12 destroys a temporary with a destructor inside co_await twice)
+  AsyncEffects perform{{}, impl_->core(), co_await net::this_coro::executor};
+  co_return co_await impl_->run_once(std::move(perform));
+}
 
 void Maintenance::start(const net::any_io_executor& executor) {
   net::co_spawn(executor, Impl::loop(impl_, AsyncEffects{{}, impl_->core(), executor}),

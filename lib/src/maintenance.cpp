@@ -26,7 +26,9 @@ void MaintenanceThread::resume(std::string operation, Completer::Resume resume) 
 
 void MaintenanceThread::deliver(Delivery delivery) { impl_->deliver(std::move(delivery)); }
 
-MaintenanceReport MaintenanceThread::run_once() { return impl_->run_once().get(); }
+MaintenanceReport MaintenanceThread::run_once() {
+  return impl_->run_once(detail::BlockingEffects{{}, impl_->core()}).get();
+}
 
 void MaintenanceThread::start() {
   if (impl_->thread.joinable()) throw std::logic_error("idem: MaintenanceThread started twice");

@@ -138,8 +138,17 @@ struct MaintenanceJobs {
   void reap(MaintenanceReport& r) {
     guarded("reap", r, [&] { r.reaped += coordinator.reap(options.batch).size(); });
   }
-  void release_lost(MaintenanceReport& r) {
-    guarded("release_lost", r, [&] { r.lost_released += coordinator.release_lost_reservations(); });
+  // Releases commit through the group commit and wait for their round, blocking: through
+  // perform.store(), so a coroutine schedule makes them on the coordinator's store threads
+  // when the store may wait on a network. On the executor's own thread, a round of PgStore's
+  // waiting on that very executor for its batch's answer would never be told, and neither
+  // would the release (nor the executor) ever go on.
+  Task<void> release_lost(MaintenanceReport& r, E& perform) {
+    co_await perform.store([&] {
+      guarded("release_lost", r,
+              [&] { r.lost_released += coordinator.release_lost_reservations(); });
+      return true;
+    });
   }
   void dispatch(MaintenanceReport& r) {
     if (!dispatcher) return;
@@ -175,9 +184,9 @@ struct MaintenanceJobs {
   }
 
   // Every job once, now.
-  Task<MaintenanceReport> run_once() {
+  Task<MaintenanceReport> run_once(E perform) {
     MaintenanceReport report;
-    release_lost(report);
+    co_await release_lost(report, perform);
     dispatch(report);
     purge(report);
     reap(report);
@@ -203,7 +212,7 @@ struct MaintenanceJobs {
       MaintenanceReport report;
       const TimePoint now = clock.now();
       if (now >= next_dispatch) {
-        d->release_lost(report);
+        co_await d->release_lost(report, perform);
         d->dispatch(report);
         next_dispatch = clock.now() + o.dispatch_every;
       }

@@ -81,7 +81,10 @@ boost::asio::awaitable<std::string> async_local(Attempt& attempt, std::string st
 // at its interval; MaintenanceThread runs the same for a blocking one) on an executor the
 // application gives it (its own thread, so the store work and the completer's steps never
 // run on a request's thread). Jobs are counted in Coordinator::metrics() and logged; a job
-// that fails is logged and tried again at its next turn.
+// that fails is logged and tried again at its next turn. On a store that may wait on a network
+// (PgStore) the releases of lost reservations, which wait for the group commit, are made on
+// the coordinator's store threads, never on the executor's thread, where a batch's answer may
+// be waited for.
 // Thread-safety: configure (resume(), deliver()) before start(); stop() from any thread.
 class Maintenance {
  public:
