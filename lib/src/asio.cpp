@@ -441,6 +441,11 @@ net::awaitable<detail::Loaded> batched_read(detail::CoordinatorCore& core, const
   co_return detail::Loaded{std::move(read.record), read.error};
 }
 
+// The event loop `ex` runs on, as the group commit knows it (GroupCommit::enqueue).
+const void* context_of(const net::any_io_executor& ex) {
+  return &net::query(ex, net::execution::context);
+}
+
 // A posted round of the group commit: waits for the store's batch on `ex`. A store that may
 // wait on a network starts the round (a connect, a batch on the main connection when every
 // batch connection is busy) on the coordinator's store threads, so the io_context's thread
@@ -451,7 +456,7 @@ void lead_round(detail::CoordinatorCore& core, const net::any_io_executor& ex) {
         [&ex](PendingApply& pending, std::function<void()> finished) {
           SocketWait::start(ex, pending, std::move(finished));
         },
-        &net::query(ex, net::execution::context));
+        context_of(ex));
   };
   if (!core.store->remote()) return lead();
   const auto work = net::prefer(ex, net::execution::outstanding_work.tracked);
@@ -468,7 +473,7 @@ void post_round(detail::CoordinatorCore& core, const net::any_io_executor& ex) {
     Posted(Posted&& o) noexcept : core(std::exchange(o.core, nullptr)), ex(o.ex) {}
     Posted& operator=(Posted&&) = delete;
     ~Posted() {
-      if (core != nullptr) core->commits.dropped(&net::query(ex, net::execution::context));
+      if (core != nullptr) core->commits.dropped(context_of(ex));
     }
     void operator()() { lead_round(*std::exchange(core, nullptr), ex); }
   };
@@ -495,8 +500,7 @@ net::awaitable<void> group_write(detail::CoordinatorCore& core, StoreOp& op) {
             post_round(core, ex);
           }
         };
-        if (core.commits.enqueue(op, notify, &net::query(ex, net::execution::context)))
-          post_round(core, ex);
+        if (core.commits.enqueue(op, notify, context_of(ex))) post_round(core, ex);
       },
       net::use_awaitable);
 }

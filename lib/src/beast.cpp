@@ -60,14 +60,10 @@ bool per_message(std::string_view name) {
 constexpr std::array<std::string_view, 4> kSessionFields{
     "Set-Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"};
 
-bool session_field(std::string_view name) {
-  return std::any_of(kSessionFields.begin(), kSessionFields.end(), [name](std::string_view f) {
-    return boost::beast::iequals({name.data(), name.size()}, {f.data(), f.size()});
-  });
-}
-
-bool named(std::string_view name, const std::vector<std::string>& names) {
-  return std::any_of(names.begin(), names.end(), [name](const std::string& n) {
+// Whether `name` is one of `names`, case-insensitively.
+template <class Names>
+bool named(std::string_view name, const Names& names) {
+  return std::any_of(names.begin(), names.end(), [name](std::string_view n) {
     return boost::beast::iequals({name.data(), name.size()}, {n.data(), n.size()});
   });
 }
@@ -265,7 +261,8 @@ struct Layer::Impl {
     s.status = static_cast<int>(r.result_int());
     for (const auto& f : r) {
       const std::string_view name = sv(f.name_string());
-      if (per_message(name) || session_field(name) || named(name, o.unstored_headers)) continue;
+      if (per_message(name) || named(name, kSessionFields) || named(name, o.unstored_headers))
+        continue;
       if (!o.stored_headers.empty() && !named(name, o.stored_headers)) continue;
       s.headers.push_back({std::string(name), std::string(f.value())});
     }
