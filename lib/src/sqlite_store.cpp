@@ -341,22 +341,28 @@ struct SqliteStore::Impl {
 
   // ---- writes, inside a transaction the caller holds ----
 
+  // The reservation of a key no record holds, or nothing (no change) when a record holds it.
+  std::optional<Reservation> reserve_free(const KeyId& id, const Fingerprint& fingerprint,
+                                          TimePoint now, TimePoint lease_until,
+                                          std::int64_t claim) {
+    ResetGuard reset(reserve);
+    detail::bind_id(reserve, id);
+    detail::bind_fingerprint(reserve, 4, fingerprint);
+    reserve.bind(5, detail::ms(now));
+    reserve.bind(6, detail::ms(lease_until));
+    reserve.bind(7, detail::ms(now));
+    bind_claim(reserve, 8, claim);
+    if (!changed(reserve)) return std::nullopt;
+    Reservation out;  // there was no record: reserve_rule's answer is a fresh token
+    out.token = detail::ms(now);
+    return out;
+  }
+
   Reservation reserve_in_tx(const KeyId& id, const Fingerprint& fingerprint, TimePoint now,
                             TimePoint lease_until, std::int64_t claim) {
+    if (std::optional<Reservation> fresh = reserve_free(id, fingerprint, now, lease_until, claim))
+      return *fresh;
     Reservation out;
-    {
-      ResetGuard reset(reserve);
-      detail::bind_id(reserve, id);
-      detail::bind_fingerprint(reserve, 4, fingerprint);
-      reserve.bind(5, detail::ms(now));
-      reserve.bind(6, detail::ms(lease_until));
-      reserve.bind(7, detail::ms(now));
-      bind_claim(reserve, 8, claim);
-      if (changed(reserve)) {  // there was no record: reserve_rule's answer is a fresh token
-        out.token = detail::ms(now);
-        return out;
-      }
-    }
     std::optional<Record> existing = load_record(id);
     if (!existing) throw StoreError("sqlite: reserve: conflicting row vanished", 0);
     const detail::ReserveAnswer rule =
@@ -482,11 +488,51 @@ struct SqliteStore::Impl {
     }
   }
 
+  // An op with no neighbours, made by one statement where one statement does it: a
+  // completion or a release is one UPDATE, a reservation of a free key one INSERT, and SQLite
+  // commits a statement made outside a transaction by itself, with its triggers, as one
+  // transaction. That spares a lone op the BEGIN and COMMIT around it (docs/performance.md).
+  // False, with nothing written, when the op needs a transaction: a reservation that meets a
+  // record (it reads the record and decides before it writes), a store_if_absent, or a test
+  // mutation that reads first. Requires `mutex`.
+  bool alone(StoreOp& op) {
+    const std::uint64_t before = busy.waits;
+    try {
+      switch (op.kind) {
+        case StoreOp::Kind::reserve: {
+          std::optional<Reservation> fresh =
+              reserve_free(*op.id, *op.fingerprint, op.now, op.lease_until, op.claim);
+          if (!fresh) return false;
+          op.reservation = std::move(*fresh);
+          break;
+        }
+        case StoreOp::Kind::complete:
+          if (test_control::enabled(test_control::Mutation::complete_without_token_check))
+            return false;
+          [[fallthrough]];
+        case StoreOp::Kind::release:
+          run_op(op);
+          break;
+        case StoreOp::Kind::store_if_absent:
+          return false;
+      }
+    } catch (...) {  // the statement's own transaction was rolled back
+      op.error = std::current_exception();
+      return true;
+    }
+    op.contended = busy.waits != before;
+    transactions.fetch_add(1, std::memory_order_relaxed);
+    committed_ops.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
   // One transaction for every op. If one op breaks it (a body too big, say), each op gets a
-  // transaction of its own, so its neighbours still succeed. Requires `mutex`.
+  // transaction of its own, so its neighbours still succeed. A lone op goes alone() when it
+  // can. Requires `mutex`.
   void apply_locked(std::span<StoreOp* const> ops) {
     std::optional<sqlite::Transaction> batch;
     const std::uint64_t waits = busy.waits;
+    if (ops.size() == 1 && alone(*ops[0])) return;
     try {
       batch.emplace(tx);
     } catch (const StoreError&) {
