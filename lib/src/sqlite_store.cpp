@@ -339,7 +339,8 @@ struct SqliteStore::Impl {
     due_insert.step();
   }
 
-  // ---- writes, inside a transaction the caller holds ----
+  // ---- writes, inside a transaction the caller holds (or alone(): one statement that
+  //      SQLite commits by itself) ----
 
   // The reservation of a key no record holds, or nothing (no change) when a record holds it.
   std::optional<Reservation> reserve_free(const KeyId& id, const Fingerprint& fingerprint,
