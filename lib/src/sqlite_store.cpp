@@ -521,19 +521,25 @@ struct SqliteStore::Impl {
       op.error = std::current_exception();
       return true;
     }
-    op.contended = busy.waits != before;
+    committed_alone(op, before);
+    return true;
+  }
+
+  // Counts `op`, committed in a transaction of its own, which began when busy.waits was
+  // `waits_before`.
+  void committed_alone(StoreOp& op, std::uint64_t waits_before) {
+    op.contended = busy.waits != waits_before;
     transactions.fetch_add(1, std::memory_order_relaxed);
     committed_ops.fetch_add(1, std::memory_order_relaxed);
-    return true;
   }
 
   // One transaction for every op. If one op breaks it (a body too big, say), each op gets a
   // transaction of its own, so its neighbours still succeed. A lone op goes alone() when it
   // can. Requires `mutex`.
   void apply_locked(std::span<StoreOp* const> ops) {
-    std::optional<sqlite::Transaction> batch;
     const std::uint64_t waits = busy.waits;
     if (ops.size() == 1 && alone(*ops[0])) return;
+    std::optional<sqlite::Transaction> batch;
     try {
       batch.emplace(tx);
     } catch (const StoreError&) {
@@ -561,9 +567,7 @@ struct SqliteStore::Impl {
         sqlite::Transaction single(tx);
         run_op(*op);
         single.commit();
-        op->contended = busy.waits != before;
-        transactions.fetch_add(1, std::memory_order_relaxed);
-        committed_ops.fetch_add(1, std::memory_order_relaxed);
+        committed_alone(*op, before);
       } catch (...) {
         op->error = std::current_exception();
       }
