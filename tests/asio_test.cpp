@@ -541,6 +541,55 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "asio: a round of the group commit made on its writers' io_context resumes them in it, not "
+    "in a handler each") {
+  ReplayWorld w(1);  // k1 is fresh: the call reserves, runs and completes
+  net::io_context io(1);
+  std::optional<Outcome> out;
+  spawn(io, w.replay(1, out));
+  int handlers = 0;
+  while (io.run_one() > 0) ++handlers;
+  REQUIRE(out);
+  CHECK(out->source == Outcome::Source::executed);
+  CHECK(w.runs == 2);  // k0's, made before, and k1's
+  // The coroutine's start, its read's batch, and the round of each of its two writes (the
+  // reservation, the completion): a turn each, and none more to resume the writer.
+  CHECK(handlers == 4);
+}
+
+TEST_CASE(
+    "asio: when a writer's continuation throws out of the round that committed it, the writers "
+    "after it still resume") {
+  ReplayWorld w(1);  // k1 to k3 are fresh: each call reserves, runs and completes
+  std::array<std::optional<Outcome>, 3> outs;
+  // The first call's completion handler rethrows what its coroutine threw, out of run().
+  const auto throws = [&]() -> net::awaitable<void> {
+    co_await w.replay(1, outs[0]);
+    throw std::runtime_error("the application's own failure");
+  };
+  // On a strand a handler dispatched in place lets what it throws out to its caller: here, out
+  // of the round that committed the three completions together.
+  net::io_context io(1);
+  const auto strand = net::make_strand(io);
+  const auto rethrow = [](std::exception_ptr e) {
+    if (e) std::rethrow_exception(e);
+  };
+  net::co_spawn(strand, throws(), rethrow);
+  net::co_spawn(strand, w.replay(2, outs[1]), rethrow);
+  net::co_spawn(strand, w.replay(3, outs[2]), rethrow);
+  CHECK_THROWS_WITH(io.run(), "the application's own failure");
+  io.restart();
+  io.run();  // the other two, each in a handler of its own
+  for (std::size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    REQUIRE(outs[i]);
+    CHECK(outs[i]->source == Outcome::Source::executed);
+    CHECK(outs[i]->response.body == "ch_" + std::to_string(i + 1));
+  }
+  CHECK(w.runs == 4);  // k0's, made before, and one a key: the action never deduplicates
+}
+
+TEST_CASE(
     "asio race: four threads run one io_context, 16 keys each asked 12 times at once, 10 rounds: "
     "reads batch across the threads, every caller gets its own key's answer, one charge a key") {
   // The provider does not deduplicate: a key charged twice shows as 2. The action yields once

@@ -18,7 +18,9 @@
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <cerrno>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <system_error>
@@ -328,6 +330,34 @@ net::awaitable<T> store_call(detail::CoordinatorCore& core, F f) {
   co_return std::move(*result);
 }
 
+// A suspended coroutine's continuation (an async_initiate handler) as a call that resumes it
+// at once, where it may run in place (true), or in a handler of its own (false).
+template <class Handler>
+std::function<void(bool)> resumer(std::shared_ptr<Handler> resume) {
+  return [resume = std::move(resume)](bool now) {
+    if (now) {
+      net::dispatch(std::move(*resume));
+    } else {
+      net::post(std::move(*resume));
+    }
+  };
+}
+
+// Calls resume(i, true) for each i below n, in turn. If a continuation throws out of it (on a
+// strand, a handler dispatched in place lets what its completion handler rethrew out; the
+// io_context's own executor keeps it for run()), the ones after it resume in handlers of their
+// own (resume(i, false)) and this rethrows, out of the handler that resumed them.
+template <class Resume>
+void resume_in_turn(std::size_t n, Resume resume) {
+  std::size_t next = 0;
+  try {
+    while (next < n) resume(next++, true);
+  } catch (...) {
+    while (next < n) resume(next++, false);
+    throw;
+  }
+}
+
 // The reads of the calls on one io_context that become ready in the same turn, made together:
 // the first reader posts a batch to its executor, and every read queued before the batch runs
 // goes to its coordinator's store in one Store::load_many() (one read transaction on
@@ -383,16 +413,7 @@ class ReadBatches final : public net::execution_context::service {
         }
       }
     }
-    std::size_t next = 0;
-    try {
-      while (next < batch.size()) batch[next++].resume(true);
-    } catch (...) {
-      // A reader's continuation threw out of it (on a strand, a handler dispatched in place
-      // lets what its completion handler rethrew out; the io_context's own executor keeps it
-      // for run()): the readers after it resume in handlers of their own, and this leaves run().
-      while (next < batch.size()) batch[next++].resume(false);
-      throw;
-    }
+    resume_in_turn(batch.size(), [&batch](std::size_t i, bool now) { batch[i].resume(now); });
   }
 
  private:
@@ -417,15 +438,8 @@ net::awaitable<detail::Loaded> batched_read(detail::CoordinatorCore& core, const
   co_await net::async_initiate<decltype(net::use_awaitable), void()>(
       [&core, &read](auto handler) {
         const auto ex = net::get_associated_executor(handler);
-        auto resume = std::make_shared<decltype(handler)>(std::move(handler));
         auto& batches = net::use_service<ReadBatches>(net::query(ex, net::execution::context));
-        auto resumed = [resume](bool now) {
-          if (now) {
-            net::dispatch(std::move(*resume));
-          } else {
-            net::post(std::move(*resume));
-          }
-        };
+        auto resumed = resumer(std::make_shared<decltype(handler)>(std::move(handler)));
         if (batches.enqueue({&core, &read, std::move(resumed)}))
           net::post(ex, [&batches] { batches.run(); });
       },
@@ -446,10 +460,22 @@ const void* context_of(const net::any_io_executor& ex) {
   return &net::query(ex, net::execution::context);
 }
 
+// The writers a round led on this thread (lead_round) committed for the io_context it runs
+// on, to resume when the round is done; null outside such a round.
+struct CommittedHere {
+  const void* context;
+  std::vector<std::function<void(bool)>> resumes;
+};
+thread_local CommittedHere* committed_here = nullptr;
+
 // A posted round of the group commit: waits for the store's batch on `ex`. A store that may
 // wait on a network starts the round (a connect, a batch on the main connection when every
 // batch connection is busy) on the coordinator's store threads, so the io_context's thread
 // never waits on it; the batch's results are waited for on `ex` all the same.
+//
+// A round made right here (a store that waits for nothing but its disk) resumes the writers it
+// committed for this io_context once it is done, in place and in turn (as the read batch does),
+// not in a handler each: that would cost every write one more turn of the event loop.
 void lead_round(detail::CoordinatorCore& core, const net::any_io_executor& ex) {
   const auto lead = [&commits = core.commits, ex] {
     commits.lead(
@@ -458,7 +484,14 @@ void lead_round(detail::CoordinatorCore& core, const net::any_io_executor& ex) {
         },
         context_of(ex));
   };
-  if (!core.store->remote()) return lead();
+  if (!core.store->remote()) {
+    CommittedHere here{context_of(ex), {}};
+    CommittedHere* const outer = std::exchange(committed_here, &here);
+    lead();  // noexcept
+    committed_here = outer;
+    resume_in_turn(here.resumes.size(), [&here](std::size_t i, bool now) { here.resumes[i](now); });
+    return;
+  }
   const auto work = net::prefer(ex, net::execution::outstanding_work.tracked);
   core.store_threads.post([lead, work] { lead(); });
 }
@@ -488,14 +521,20 @@ net::awaitable<void> group_write(detail::CoordinatorCore& core, StoreOp& op) {
   co_await net::async_initiate<decltype(net::use_awaitable), void()>(
       [&core, &op](auto handler) {
         auto ex = net::get_associated_executor(handler);
-        auto resume = std::make_shared<decltype(handler)>(std::move(handler));
-        auto notify = [&core, ex, resume](Signal s) {
-          // Called from whichever thread ran the round. Work is held across the post: what it
-          // posts may end the last coroutine and let run() return (and the io_context be
-          // destroyed) before post() is done with the context.
+        auto resume = resumer(std::make_shared<decltype(handler)>(std::move(handler)));
+        auto notify = [&core, ex, resume = std::move(resume)](Signal s) mutable {
+          // Called from whichever thread ran the round: a round led right here on this
+          // coroutine's io_context resumes it when done (lead_round). Otherwise work is held
+          // across the post: what it posts may end the last coroutine and let run() return
+          // (and the io_context be destroyed) before post() is done with the context.
+          if (s == Signal::committed && committed_here != nullptr &&
+              committed_here->context == context_of(ex)) {
+            committed_here->resumes.push_back(std::move(resume));  // told once
+            return;
+          }
           const auto work = net::prefer(ex, net::execution::outstanding_work.tracked);
           if (s == Signal::committed) {
-            net::post(std::move(*resume));
+            resume(false);
           } else {
             post_round(core, ex);
           }

@@ -30,8 +30,9 @@ using AsyncAction = std::function<boost::asio::awaitable<Response>()>;
 // reader's executor; each coroutine gets its own record or its own error. Writes (reservations,
 // completions) of all the coroutines that become ready in one turn of the io_context are committed
 // together in one transaction (group commit) by a handler posted to the first writer's executor;
-// each coroutine resumes after its write is committed. Each io_context posts its own handler: a
-// write never waits for one posted to another io_context (busy, or stopped for good).
+// each coroutine resumes after its write is committed (on SqliteStore in that handler itself, in
+// turn, as the readers of a read batch resume in theirs). Each io_context posts its own handler:
+// a write never waits for one posted to another io_context (busy, or stopped for good).
 // On a store that may wait on a network
 // (Store::remote(): PgStore) the io_context's thread never waits on the store: reads, a round's
 // start (a connect, a batch on a busy store's main connection) and steps run on the
