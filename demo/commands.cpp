@@ -195,6 +195,7 @@ int run_dispatch(const std::string& db, const std::string& ledger) {
     std::cout << nlohmann::json{{"delivered", r.delivered},
                                 {"retried", r.retried},
                                 {"parked", r.parked},
+                                {"given_back", r.given_back},
                                 {"pending", steps_of(idem.store()).outbox_counts().pending},
                                 {"mails", mail.count()}}
                      .dump()

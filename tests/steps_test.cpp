@@ -10,6 +10,7 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/use_future.hpp>
+#include <map>
 #include <thread>
 
 #include "checkout.hpp"
@@ -608,6 +609,69 @@ TEST_CASE("outbox: delivered at least once, deduplicated by message id, backoff,
     CHECK(shop.metrics().outbox_parked == 1);
     CHECK(shop.mails() == 0);
   }
+}
+
+TEST_CASE(
+    "outbox: a dispatcher paused past its claim delivers nothing more of its batch: the other "
+    "dispatcher that claimed it meanwhile delivers each message, once") {
+  Shop shop;
+  shop.checkout("k1", shop.order("A-1"));
+  shop.world.clock->advance(1ms);
+  shop.checkout("k2", shop.order("A-2"));
+  REQUIRE(idem::steps_of(*shop.world.store).outbox_counts().pending == 2);
+  // Every hand-over counted by message id: no receiver deduplicates here.
+  std::map<std::string, int> handed;
+  std::vector<std::string> order;
+  Dispatcher other(*shop.world.idem, [&](const OutboxMessage& m) { ++handed[m.id]; });
+  SUBCASE("paused mid-batch, past claim_for (30 s)") {
+    bool paused = false;
+    Dispatcher first(*shop.world.idem, [&](const OutboxMessage& m) {
+      ++handed[m.id];
+      order.push_back(m.id);
+      if (std::exchange(paused, true)) return;
+      // The process stops here (a pause, a slow receiver) for longer than its claim. Meanwhile
+      // the other dispatcher finds both claims ended and delivers both: the first message a
+      // second time (it was not marked yet: at least once), the second for the first time.
+      shop.world.clock->advance(31s);
+      CHECK(other.run_once().delivered == 2);
+    });
+    const DispatchReport r = first.run_once();
+    REQUIRE_FALSE(order.empty());
+    REQUIRE(handed.size() == 2);
+    for (const auto& [id, times] : handed) {
+      CAPTURE(id);
+      CHECK(times == (id == order[0] ? 2 : 1));  // the second message: once, by the other
+    }
+    CHECK(order.size() == 1);
+    CHECK(r.delivered == 1);
+    CHECK(r.given_back == 1);
+  }
+  SUBCASE("held up by slow deliveries until the claim has less than deliver_margin left") {
+    // claim_for 30 s, deliver_margin 1 s (the default): the first delivery takes 29.5 s.
+    Dispatcher slow(*shop.world.idem, [&](const OutboxMessage& m) {
+      ++handed[m.id];
+      order.push_back(m.id);
+      shop.world.clock->advance(29500ms);
+    });
+    const DispatchReport r = slow.run_once();
+    CHECK(r.delivered == 1);
+    CHECK(r.given_back == 1);
+    CHECK(idem::steps_of(*shop.world.store).outbox_counts().pending == 1);
+    CHECK(other.run_once().delivered == 0);  // still claimed, for half a second
+    shop.world.clock->advance(500ms);
+    CHECK(other.run_once().delivered == 1);  // the claim ended: due again
+    REQUIRE(handed.size() == 2);
+    for (const auto& [id, times] : handed) CHECK(times == 1);
+  }
+  CHECK(idem::steps_of(*shop.world.store).outbox_counts().pending == 0);
+  const OutboxOptions too_long{.claim_for = 30s, .deliver_margin = 30s};
+  const OutboxOptions negative{.deliver_margin = -1ms};
+  CHECK_THROWS_AS(Dispatcher(
+                      *shop.world.idem, [](const OutboxMessage&) {}, too_long),
+                  error);
+  CHECK_THROWS_AS(Dispatcher(
+                      *shop.world.idem, [](const OutboxMessage&) {}, negative),
+                  error);
 }
 
 TEST_CASE("maintenance: under a load of new keys the database stays bounded once keys expire") {

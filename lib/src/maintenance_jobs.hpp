@@ -157,6 +157,7 @@ struct MaintenanceJobs {
       r.outbox.delivered += d.delivered;
       r.outbox.retried += d.retried;
       r.outbox.parked += d.parked;
+      r.outbox.given_back += d.given_back;
     });
   }
 
@@ -174,6 +175,7 @@ struct MaintenanceJobs {
     totals.outbox.delivered += r.outbox.delivered;
     totals.outbox.retried += r.outbox.retried;
     totals.outbox.parked += r.outbox.parked;
+    totals.outbox.given_back += r.outbox.given_back;
     totals.failures += r.failures;
     totals.rounds += r.rounds;
   }

@@ -263,6 +263,10 @@ Dispatcher::Dispatcher(Coordinator& coordinator, Delivery delivery, OutboxOption
   detail::check(options_.max_retry >= options_.first_retry,
                 "dispatcher: max_retry must not be below first_retry");
   detail::check(options_.claim_for.count() > 0, "dispatcher: claim_for must be positive");
+  detail::check(!options_.deliver_margin || (options_.deliver_margin->count() >= 0 &&
+                                             *options_.deliver_margin < options_.claim_for),
+                "dispatcher: deliver_margin must not be negative and must be shorter than "
+                "claim_for");
   detail::check(options_.batch > 0, "dispatcher: batch must be at least 1");
   detail::check(!options_.keep_delivered || options_.keep_delivered->count() >= 0,
                 "dispatcher: keep_delivered must not be negative");
@@ -275,10 +279,24 @@ DispatchReport Dispatcher::run_once() {
   // Only messages due when the run began: those enqueued (or failed) meanwhile wait for the
   // next run, so a steady inflow cannot keep this one (and a stop() waiting for it) going.
   const TimePoint began = core.now();
+  const std::chrono::milliseconds margin = options_.deliver_margin.value_or(
+      std::min<std::chrono::milliseconds>(std::chrono::seconds(1), options_.claim_for / 4));
   for (;;) {
+    const TimePoint claimed_until = core.now() + options_.claim_for;
     const std::vector<OutboxMessage> batch =
-        store.claim_outbox(began, core.now() + options_.claim_for, options_.batch);
-    for (const OutboxMessage& m : batch) {
+        store.claim_outbox(began, claimed_until, options_.batch);
+    for (std::size_t next = 0; next < batch.size(); ++next) {
+      const OutboxMessage& m = batch[next];
+      // The claim is what keeps other dispatchers off these messages: past its margin, the
+      // rest goes back (due again at claimed_until) and nothing more is delivered in this run.
+      if (core.now() + margin >= claimed_until) {
+        report.given_back = batch.size() - next;
+        core.log(LogLevel::warning, "outbox_claim_lapsed", "-", m.topic, 0,
+                 fmt::format("{} claimed message(s) given back undelivered, from {}: the claim "
+                             "had less than {} ms left",
+                             report.given_back, m.id, margin.count()));
+        return report;
+      }
       std::string failure;
       try {
         delivery_(m);

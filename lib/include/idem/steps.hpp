@@ -213,6 +213,12 @@ struct OutboxOptions {
   // A claimed message is not handed to another dispatcher for this long (a dispatcher that
   // dies mid-delivery gives its messages back after it). Default: 30 s.
   std::chrono::milliseconds claim_for{std::chrono::seconds(30)};
+  // A claimed message is handed to the delivery only while its claim has at least this long
+  // left. A dispatcher paused (or held up by slow deliveries) past that gives the rest of its
+  // batch back, due again when the claim ends, rather than deliver what another dispatcher may
+  // have claimed and be delivering by then. Not negative, shorter than claim_for. nullopt: 1 s,
+  // or a quarter of claim_for if that is shorter.
+  std::optional<std::chrono::milliseconds> deliver_margin{};
   // Messages claimed at once. Default: 100.
   std::size_t batch = 100;
   // Delivered messages are purged this long after delivery, and never later than the
@@ -226,6 +232,9 @@ struct DispatchReport {
   std::size_t delivered = 0;
   std::size_t retried = 0;  // failed, due again after the backoff
   std::size_t parked = 0;   // failed for the max_attempts-th time
+  // Claimed and not handed to the delivery: the claim had less than deliver_margin left (a
+  // pause, slow deliveries). Due again when the claim ends.
+  std::size_t given_back = 0;
 };
 
 // Delivers one message; throws if it was not delivered. The receiver deduplicates on
@@ -240,12 +249,14 @@ using Delivery = std::function<void(const OutboxMessage&)>;
 class Dispatcher {
  public:
   // Throws idem::error(errc::invalid_argument) for a null delivery, max_attempts < 1, a
-  // non-positive first_retry, max_retry below first_retry, a non-positive claim_for or a
-  // batch of 0.
+  // non-positive first_retry, max_retry below first_retry, a non-positive claim_for, a
+  // deliver_margin negative or not shorter than claim_for, or a batch of 0.
   Dispatcher(Coordinator& coordinator, Delivery delivery, OutboxOptions options = {});
   // Claims the messages due when it began and delivers them, batch after batch, until none
   // is left (messages enqueued meanwhile wait for the next run, so an inflow cannot keep it
-  // running). Throws StoreError if the outbox cannot be read; a failed delivery is counted
+  // running), or until a claim has less than deliver_margin left: then the rest of that batch
+  // is given back (DispatchReport::given_back, logged as outbox_claim_lapsed) and the run
+  // ends. Throws StoreError if the outbox cannot be read; a failed delivery is counted
   // and retried later.
   DispatchReport run_once();
   // Deletes messages delivered longer than keep_delivered (at most the TTL) ago. Returns how
