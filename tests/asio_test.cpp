@@ -420,6 +420,31 @@ struct ReplayWorld {
     out = co_await idem::async_call(
         idem, request(key(i)), [this, i]() -> net::awaitable<Response> { co_return charge(i); });
   }
+  // Calls keys first, first + 1 and first + 2 at once on a strand, and runs them to the end.
+  // The first call's coroutine throws once its call is done, and its completion handler
+  // rethrows that out of run(): on a strand, unlike on the io_context's own executor, a
+  // handler dispatched in place lets what it throws out to its caller, the handler that
+  // resumed it. The calls after it must still resume, each in a handler of its own.
+  std::array<std::optional<Outcome>, 3> three_on_a_strand_first_throws(int first) {
+    std::array<std::optional<Outcome>, 3> outs;
+    // (named: a coroutine lambda's captures live in the lambda, which must outlive the run)
+    const auto throws = [&]() -> net::awaitable<void> {
+      co_await replay(first, outs[0]);
+      throw std::runtime_error("the application's own failure");
+    };
+    net::io_context io(1);
+    const auto strand = net::make_strand(io);
+    const auto rethrow = [](std::exception_ptr e) {
+      if (e) std::rethrow_exception(e);
+    };
+    net::co_spawn(strand, throws(), rethrow);
+    net::co_spawn(strand, replay(first + 1, outs[1]), rethrow);
+    net::co_spawn(strand, replay(first + 2, outs[2]), rethrow);
+    CHECK_THROWS_WITH(io.run(), "the application's own failure");
+    io.restart();
+    io.run();
+    return outs;
+  }
 };
 
 }  // namespace
@@ -513,25 +538,7 @@ TEST_CASE(
     "asio: when a reader's continuation throws out of the batch that resumed it, the readers "
     "after it still resume") {
   ReplayWorld w(3);
-  std::array<std::optional<Outcome>, 3> outs;
-  // The first call's completion handler rethrows what its coroutine threw, out of run().
-  const auto throws = [&]() -> net::awaitable<void> {
-    co_await w.replay(0, outs[0]);
-    throw std::runtime_error("the application's own failure");
-  };
-  // On a strand, unlike on the io_context's own executor, a handler dispatched in place lets
-  // what it throws out to its caller: here, out of the batch.
-  net::io_context io(1);
-  const auto strand = net::make_strand(io);
-  const auto rethrow = [](std::exception_ptr e) {
-    if (e) std::rethrow_exception(e);
-  };
-  net::co_spawn(strand, throws(), rethrow);
-  net::co_spawn(strand, w.replay(1, outs[1]), rethrow);
-  net::co_spawn(strand, w.replay(2, outs[2]), rethrow);
-  CHECK_THROWS_WITH(io.run(), "the application's own failure");
-  io.restart();
-  io.run();  // the other two, each in a handler of its own
+  const auto outs = w.three_on_a_strand_first_throws(0);  // out of their read's batch
   CHECK(w.reads->batches == std::vector<std::size_t>{3});
   REQUIRE(outs[1]);
   REQUIRE(outs[2]);
@@ -561,25 +568,8 @@ TEST_CASE(
     "asio: when a writer's continuation throws out of the round that committed it, the writers "
     "after it still resume") {
   ReplayWorld w(1);  // k1 to k3 are fresh: each call reserves, runs and completes
-  std::array<std::optional<Outcome>, 3> outs;
-  // The first call's completion handler rethrows what its coroutine threw, out of run().
-  const auto throws = [&]() -> net::awaitable<void> {
-    co_await w.replay(1, outs[0]);
-    throw std::runtime_error("the application's own failure");
-  };
-  // On a strand a handler dispatched in place lets what it throws out to its caller: here, out
-  // of the round that committed the three completions together.
-  net::io_context io(1);
-  const auto strand = net::make_strand(io);
-  const auto rethrow = [](std::exception_ptr e) {
-    if (e) std::rethrow_exception(e);
-  };
-  net::co_spawn(strand, throws(), rethrow);
-  net::co_spawn(strand, w.replay(2, outs[1]), rethrow);
-  net::co_spawn(strand, w.replay(3, outs[2]), rethrow);
-  CHECK_THROWS_WITH(io.run(), "the application's own failure");
-  io.restart();
-  io.run();  // the other two, each in a handler of its own
+  // Out of the round that committed the three completions together.
+  const auto outs = w.three_on_a_strand_first_throws(1);
   for (std::size_t i = 0; i < 3; ++i) {
     CAPTURE(i);
     REQUIRE(outs[i]);
