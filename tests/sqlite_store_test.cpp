@@ -7,6 +7,8 @@
 #include <array>
 #include <cstring>
 #include <fstream>
+#include <future>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -276,6 +278,63 @@ TEST_CASE("sqlite_store: a write lock held past busy_timeout is a StoreError (SQ
   }
   locker.exec("ROLLBACK");
   CHECK(reserve_at(s, T0).kind == Reservation::Kind::reserved);  // nothing half-written
+}
+
+TEST_CASE(
+    "sqlite_store: a call of this process that holds the connection past busy_timeout fails "
+    "the calls waiting behind it with StoreError (SQLITE_BUSY), nothing done") {
+  TempDir dir;
+  idem::SqliteStore s(dir.file("k.db"), idem::SqliteOptions{20ms, idem::Synchronous::normal});
+  const Reservation r = reserve_at(s, T0);
+  REQUIRE(r.kind == Reservation::Kind::reserved);
+  const auto began = s.begin_steps(kId, r.token, "the request");
+  REQUIRE(began);
+  // A local step that does not end holds the store's connection (its transaction) until the
+  // test lets it go, or for 30 s at most: a bound, never a synchronisation.
+  std::promise<void> holding, go;
+  std::shared_future<void> gone = go.get_future().share();
+  std::thread holder([&] {
+    s.commit_step(
+        kId, r.token, began->origin,
+        idem::StepCommit{idem::StepResult{"debited", "ch_1"}, T0, [&](idem::LocalTransaction&) {
+                           holding.set_value();
+                           gone.wait_for(30s);
+                         }});
+  });
+  holding.get_future().wait();
+  const idem::KeyId other{"alpha", "payment.charge", "k2"};
+  const auto busy = [](const idem::StoreError& e) {
+    CHECK((e.sqlite_code() & 0xff) == SQLITE_BUSY);
+    CHECK(std::string(e.what()).find("busy_timeout") != std::string::npos);
+  };
+  bool reserve_failed = false, load_failed = false;
+  try {
+    reserve_at(s, T0, kFp, other);
+  } catch (const idem::StoreError& e) {
+    busy(e);
+    reserve_failed = true;
+  }
+  try {
+    s.load(kId);
+  } catch (const idem::StoreError& e) {
+    busy(e);
+    load_failed = true;
+  }
+  idem::StoreOp op{.kind = idem::StoreOp::Kind::reserve,
+                   .id = &other,
+                   .fingerprint = &kFp,
+                   .now = T0,
+                   .lease_until = T0 + 30s};
+  idem::StoreOp* const ops[] = {&op};
+  s.apply(ops);  // never throws: the op holds the error
+  const bool applied_failed = static_cast<bool>(op.error);
+  go.set_value();
+  holder.join();
+  CHECK(reserve_failed);
+  CHECK(load_failed);
+  CHECK(applied_failed);
+  CHECK_FALSE(s.load(other));  // nothing was written for k2
+  CHECK(reserve_at(s, T0, kFp, other).kind == Reservation::Kind::reserved);
 }
 
 // Each op's own outcome is the store contract's (store_contract_test.cpp); SQLite commits the

@@ -12,9 +12,9 @@ namespace idem::detail {
 // everyone already waiting. unlock() hands the lock to the first waiter and wakes that one
 // thread only (waking every waiter to let one through costs each of them a context switch,
 // which at eight threads was a third of the CPU). try_lock() takes it only when it is free
-// (then nobody waits); try_lock_until() waits in line until a deadline. Any thread may unlock it,
-// not only the one that locked it (PgStore holds a batch connection's across an event loop's wait).
-// Thread-safety: that is its purpose.
+// (then nobody waits); try_lock_until() and try_lock_for() wait in line until a deadline. Any
+// thread may unlock it, not only the one that locked it (PgStore holds a batch connection's across
+// an event loop's wait). Thread-safety: that is its purpose.
 class FairMutex {
  public:
   void lock() {
@@ -47,6 +47,12 @@ class FairMutex {
     (before != nullptr ? before->next : head_) = self.next;
     if (tail_ == &self) tail_ = before;
     return false;
+  }
+
+  // lock(), giving up after `patience` in line (try_lock_until from now, the clock read only
+  // when the lock is held).
+  bool try_lock_for(std::chrono::steady_clock::duration patience) {
+    return try_lock() || try_lock_until(std::chrono::steady_clock::now() + patience);
   }
 
   bool try_lock() {

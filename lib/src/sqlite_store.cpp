@@ -1,10 +1,12 @@
 #include "idem/sqlite_store.hpp"
 
+#include <fmt/format.h>
 #include <sqlite3.h>
 
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <unordered_set>
@@ -124,6 +126,8 @@ struct SqliteStore::Impl {
   detail::FairMutex
       mutex;  // serialises every use of `db` and the statements, first come first served
   sqlite::BusyPolicy busy;
+  // How long a call waits in line for `mutex` (SqliteOptions::busy_timeout).
+  const std::chrono::milliseconds patience;
   sqlite::Connection db;
   sqlite::TransactionStatements tx;
   // Every statement, prepared once when the store opens and reused.
@@ -147,6 +151,7 @@ struct SqliteStore::Impl {
 
   Impl(const std::string& path, const SqliteOptions& o)
       : busy{o.busy_timeout, {}},
+        patience(o.busy_timeout),
         db(open(path, o, busy)),
         tx(db.get()),
         reserve(migrated(db.get(), tx), sql::kReserve),
@@ -201,7 +206,6 @@ struct SqliteStore::Impl {
   // and no open transaction.
   void reclaim_wal() {
     if (!disk_full) return;
-    const std::chrono::milliseconds patience = busy.timeout;
     busy.timeout = std::chrono::milliseconds(0);
     const int rc =
         sqlite3_wal_checkpoint_v2(db.get(), nullptr, SQLITE_CHECKPOINT_TRUNCATE, nullptr, nullptr);
@@ -215,10 +219,24 @@ struct SqliteStore::Impl {
     reclaim_wal();  // often the space the database needs is there already
   }
 
+  // Takes `mutex` in turn, as every call does, waiting in line at most `patience`, as long as a
+  // statement waits for another connection's write lock: a call of this process that holds
+  // the connection longer (a local step that does not end, a disk that does not answer) fails
+  // the ones behind it with StoreError, nothing done, and never holds their threads for ever.
+  std::unique_lock<detail::FairMutex> line() {
+    if (!mutex.try_lock_for(patience)) {
+      throw StoreError(fmt::format("sqlite: the store's connection stayed busy with another call "
+                                   "of this process for {} ms (busy_timeout); nothing was done",
+                                   patience.count()),
+                       SQLITE_BUSY);
+    }
+    return std::unique_lock(mutex, std::adopt_lock);
+  }
+
   // Runs one write under `mutex`, reclaiming the WAL's space first after a full disk.
   template <class F>
   auto write(F&& f) -> decltype(f()) {
-    std::lock_guard lock(mutex);
+    const auto lock = line();
     reclaim_wal();
     try {
       return f();
@@ -584,7 +602,13 @@ int SqliteStore::schema_version() noexcept { return detail::schema_version(); }
 
 void SqliteStore::apply(std::span<StoreOp* const> ops) {
   if (ops.empty()) return;
-  std::lock_guard lock(impl_->mutex);
+  std::unique_lock<detail::FairMutex> lock;
+  try {
+    lock = impl_->line();
+  } catch (const StoreError&) {  // never throws: each op fails with it
+    for (StoreOp* op : ops) op->error = std::current_exception();
+    return;
+  }
   impl_->reclaim_wal();
   impl_->apply_locked(ops);
   for (StoreOp* op : ops) {
@@ -617,13 +641,13 @@ bool SqliteStore::renew(const KeyId& id, std::int64_t token, TimePoint lease_unt
 }
 
 std::optional<Record> SqliteStore::load(const KeyId& id) {
-  std::lock_guard lock(impl_->mutex);
+  const auto lock = impl_->line();
   return impl_->load_record(id);
 }
 
 void SqliteStore::load_many(std::span<StoreRead* const> reads) {
   if (reads.size() < 2) return Store::load_many(reads);
-  std::lock_guard lock(impl_->mutex);
+  const auto lock = impl_->line();
   try {
     sqlite::Transaction snapshot(impl_->tx, sqlite::Transaction::Kind::read);
     for (StoreRead* r : reads) {
@@ -771,7 +795,7 @@ std::vector<AbandonedOperation> SqliteStore::abandoned(TimePoint idle_before, Ti
   for (const std::string& op : operations) names.push_back(op);
   const std::string wanted = names.dump();
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
+  const auto lock = d.line();
   Statement& s = d.abandoned;
   ResetGuard reset(s);
   s.bind(1, detail::ms(idle_before));
@@ -850,7 +874,7 @@ void SqliteStore::outbox_failed(const std::string& id, TimePoint retry_at, bool 
 
 OutboxCounts SqliteStore::outbox_counts() {
   Impl& d = *impl_;
-  std::lock_guard lock(d.mutex);
+  const auto lock = d.line();
   Statement& s = d.outbox_counts;
   ResetGuard reset(s);
   OutboxCounts c;

@@ -25,7 +25,9 @@ enum class Synchronous { normal, full };
 struct SqliteOptions {
   // How long a statement waits for another connection's write lock before the store
   // reports StoreError (SQLITE_BUSY). The wait polls every 50 µs to 1 ms (every 50 µs once
-  // it has lasted 10 ms), so one busy process cannot starve another for long. Default: 5 s.
+  // it has lasted 10 ms), so one busy process cannot starve another for long. Also how long
+  // a call waits in line for the store's own connection while other calls of this process
+  // use it: past it, StoreError (SQLITE_BUSY, nothing done; retry later). Default: 5 s.
   std::chrono::milliseconds busy_timeout{5000};
   // Default: Synchronous::normal.
   Synchronous synchronous = Synchronous::normal;
@@ -66,7 +68,10 @@ struct SqliteOptions {
 // outcome); the Coordinator's group commit hands it the writes of every call that is ready
 // at once.
 //
-// Thread-safety: safe for concurrent use.
+// Thread-safety: safe for concurrent use. The calls of one SqliteStore take its connection in
+// turn, first come first served; one that holds it longer than busy_timeout (a local step
+// that does not end, a disk that does not answer) fails the calls waiting behind it with
+// StoreError (SQLITE_BUSY), nothing done, as another process's lock would.
 class SqliteStore final : public Store, public StepStore {
  public:
   // Opens (creating if needed) `path`, sets WAL, busy handling and synchronous, migrates
