@@ -638,9 +638,10 @@ TEST_CASE(
     const DispatchReport r = first.run_once();
     REQUIRE_FALSE(order.empty());
     REQUIRE(handed.size() == 2);
-    for (const auto& [id, times] : handed) {
-      CAPTURE(id);
-      CHECK(times == (id == order[0] ? 2 : 1));  // the second message: once, by the other
+    for (const auto& entry : handed) {
+      const auto id = entry.first;  // a copy: clang 14 cannot capture a structured binding
+      CAPTURE(id);                  // in CAPTURE's lambda
+      CHECK(entry.second == (id == order[0] ? 2 : 1));  // the second message: once, by the other
     }
     CHECK(order.size() == 1);
     CHECK(r.delivered == 1);
