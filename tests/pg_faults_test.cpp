@@ -5,6 +5,9 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include <atomic>
+#include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -12,7 +15,9 @@
 
 #include "fault_proxy.hpp"
 #include "http_client.hpp"
+#include "idem/coordinator.hpp"
 #include "idem/errors.hpp"
+#include "idem/internal/store_stats.hpp"
 #include "idem/pg_store.hpp"
 #include "idem/sim/provider.hpp"
 #include "serve_support.hpp"
@@ -143,6 +148,46 @@ TEST_CASE(
   }
   proxy.resume();
   CHECK(eventually_answers(store, id));
+}
+
+TEST_CASE(
+    "pg faults: a LISTEN connection that stalls silent is asked an empty statement, dropped when "
+    "that gets no answer, and opened again, and wake-ups reach the node afterwards") {
+  PG_FAULTS_SERVER_OR_SKIP();
+  FaultProxy proxy(Server{}.target());
+  const std::string schema = idem::test::fresh_pg_schema();
+  // The listening node reaches the server through the proxy; the node that completes keys,
+  // directly. Silence is noticed after 300 + 200 ms, a question unanswered after as long.
+  idem::PgStore listening(Server::via(proxy), idem::PgOptions{.schema = schema,
+                                                              .clock = idem::PgClock::caller,
+                                                              .statement_timeout = 300ms,
+                                                              .reply_margin = 200ms,
+                                                              .connect_timeout = 1s,
+                                                              .batch_connections = 0,
+                                                              .notify = true});
+  idem::Coordinator completing(
+      std::make_shared<idem::PgStore>(Server{}.conninfo,
+                                      idem::PgOptions{.schema = schema, .notify = true}),
+      idem::Options{});
+  std::atomic<int> woken{0};
+  const std::uint64_t subscription =
+      listening.add_change_listener([&](const idem::KeyId& id) { woken += id.key == "after"; });
+  const auto listens = [&] { return idem::detail::StoreStats::of(listening).listens; };
+  REQUIRE(idem::test::eventually([&] { return listens() == 1; }, 10s));
+  const std::uint64_t accepted = proxy.accepted();
+  proxy.stall();  // every socket stays open; nothing moves: TCP keepalives see nothing wrong
+  // The listener gives its silent connection up and tries another (the proxy accepts it and
+  // holds it). A failure bound: a listener that waits for the socket alone never does.
+  CHECK(idem::test::eventually([&] { return proxy.accepted() > accepted; }, 10s));
+  proxy.resume();
+  CHECK(idem::test::eventually([&] { return listens() >= 2; }, 10s));
+  const idem::Outcome done = completing.call(
+      idem::Request{.tenant = "alpha", .operation = "pay", .key = "after", .fingerprint = {}}, [] {
+        return idem::Response{200, "{}", {}};
+      });
+  CHECK_FALSE(done.replayed());
+  CHECK(idem::test::eventually([&] { return woken.load() >= 1; }, 10s));
+  listening.remove_change_listener(subscription);
 }
 
 TEST_CASE(

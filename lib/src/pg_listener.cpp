@@ -47,6 +47,16 @@ bool PgListener::open(pg::Session& session) {
   }
 }
 
+bool PgListener::answers(pg::Session& session) {
+  try {
+    // An empty statement: the server answers EmptyQueryResponse, within the session's reply
+    // deadline or not at all. Notifications that arrive with the answer wait in libpq's queue.
+    return PQresultStatus(session.exec("").get()) == PGRES_EMPTY_QUERY;
+  } catch (const std::exception&) {  // StoreError: no answer within reply(), or the link broke
+    return false;
+  }
+}
+
 void PgListener::run() {
   std::chrono::milliseconds backoff = reconnect_min_;
   pg::Session session;
@@ -62,9 +72,13 @@ void PgListener::run() {
     }
     PGconn* const c = session.get();
     pollfd fds[2] = {{PQsocket(c), POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) continue;  // EINTR
+    const auto quiet = session.timeouts().reply();
+    if (::poll(fds, 2, static_cast<int>(quiet.count())) < 0) continue;  // EINTR
     if (fds[1].revents != 0) break;
-    if (PQconsumeInput(c) == 0 || PQstatus(c) != CONNECTION_OK) {  // lost: open another
+    const bool heard = fds[0].revents != 0
+                           ? PQconsumeInput(c) != 0 && PQstatus(c) == CONNECTION_OK
+                           : answers(session);  // silent for reply(): is anyone there?
+    if (!heard) {                               // lost, or silent: open another
       session.close();
       continue;
     }

@@ -25,11 +25,16 @@ class PgListener {
   // Starts the thread, which connects with `connect` (its waits bounded, as every session's)
   // and runs `listen`, the LISTEN statement. A lost connection is opened again after
   // reconnect_min, doubling up to reconnect_max; notifications sent meanwhile are lost
-  // (waiters poll the store all the same). Throws std::system_error if the thread cannot
-  // start.
+  // (waiters poll the store all the same). A connection that stays open and says nothing for
+  // the session's Timeouts::reply() (a frozen backend, a stuck pooler: TCP keepalives do not
+  // see them) is sent an empty statement; no answer within reply() more, and it is dropped
+  // and opened again, so notifications do not stop for good behind a silent connection.
+  // Throws std::system_error if the thread cannot start.
   PgListener(pg::Parameters connect, std::string listen, Notify notify, Listening listening,
              std::chrono::milliseconds reconnect_min, std::chrono::milliseconds reconnect_max);
   // Stops the thread: after it returns, the callback is not running and never runs again.
+  // Waits for a connection attempt or a silent connection's question in progress (their
+  // deadlines: Timeouts::connect, Timeouts::reply()) before the thread sees the stop.
   ~PgListener();
   PgListener(const PgListener&) = delete;
   PgListener& operator=(const PgListener&) = delete;
@@ -38,6 +43,8 @@ class PgListener {
   void run();
   // Connects and listens; false if it could not.
   bool open(pg::Session& session);
+  // Whether the server answers an empty statement within the session's reply deadline.
+  static bool answers(pg::Session& session);
   // Waits up to `d` for stop; returns true if stopping.
   bool stopping_within(std::chrono::milliseconds d) const;
 

@@ -73,6 +73,9 @@ struct PgOptions {
   // connection that LISTENs, opened with its first Coordinator. Waiters poll the store all
   // the same (Options::poll_max), so a notification lost (a listener reconnecting, a
   // transaction-pooling proxy, which does not carry them) costs latency, never correctness.
+  // A listening connection that has said nothing for statement_timeout + reply_margin is
+  // sent an empty statement, and opened again when that gets no answer in as long: a frozen
+  // backend or a stuck pooler, which TCP keepalives do not see, silences it for that long.
   // Cost: every completion and release pays for it, waited for or not: NOTIFY takes a
   // database-wide lock while its transaction commits, serialising the commits of every node
   // that notifies, a lone completion becomes a pipeline with its NOTIFY, and every
