@@ -665,6 +665,7 @@ TEST_CASE(
     for (const auto& [id, times] : handed) CHECK(times == 1);
   }
   CHECK(idem::steps_of(*shop.world.store).outbox_counts().pending == 0);
+  CHECK(shop.metrics().outbox_given_back == 1);  // also idem_outbox_given_back_total
   const OutboxOptions too_long{.claim_for = 30s, .deliver_margin = 30s};
   const OutboxOptions negative{.deliver_margin = -1ms};
   CHECK_THROWS_AS(Dispatcher(

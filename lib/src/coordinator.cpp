@@ -316,6 +316,7 @@ MetricsSnapshot Coordinator::metrics() const {
   m.outbox_delivered = get(c.outbox_delivered);
   m.outbox_retried = get(c.outbox_retried);
   m.outbox_parked = get(c.outbox_parked);
+  m.outbox_given_back = get(c.outbox_given_back);
   core_->latency.snapshot(m);
   return m;
 }

@@ -29,7 +29,8 @@ struct Counters {
       waited{0}, in_progress_conflicts{0}, key_reuse{0}, released{0}, lease_lost{0},
       store_errors{0}, ran_unprotected{0}, purged{0}, reaped{0}, corrupt_records{0},
       steps_recorded{0}, resumed{0}, reconciled{0}, interrupted{0}, completer_finished{0},
-      completer_failed{0}, outbox_delivered{0}, outbox_retried{0}, outbox_parked{0};
+      completer_failed{0}, outbox_delivered{0}, outbox_retried{0}, outbox_parked{0},
+      outbox_given_back{0};
 };
 
 // Throws idem::error(errc::invalid_argument, "idem: <what>") unless `ok`.

@@ -107,6 +107,8 @@ std::string MetricsSnapshot::to_prometheus() const {
   put("outbox_delivered", outbox_delivered, "Outbox messages delivered.");
   put("outbox_retried", outbox_retried, "Failed outbox deliveries, retried later.");
   put("outbox_parked", outbox_parked, "Outbox messages parked after too many failures.");
+  put("outbox_given_back", outbox_given_back,
+      "Claimed outbox messages given back undelivered: the claim was about to end.");
   put_histogram(out, "idem_call_duration_seconds", "outcome", call_duration,
                 "Calls from start to answer, by how they ended.");
   put_histogram(out, "idem_wait_duration_seconds", "", {{"", wait_duration}},

@@ -291,6 +291,7 @@ DispatchReport Dispatcher::run_once() {
       // rest goes back (due again at claimed_until) and nothing more is delivered in this run.
       if (core.now() + margin >= claimed_until) {
         report.given_back = batch.size() - next;
+        detail::bump(core.counters.outbox_given_back, report.given_back);
         core.log(LogLevel::warning, "outbox_claim_lapsed", "-", m.topic, 0,
                  fmt::format("{} claimed message(s) given back undelivered, from {}: the claim "
                              "had less than {} ms left",

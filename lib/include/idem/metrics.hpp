@@ -45,6 +45,8 @@ struct MetricsSnapshot {
   std::uint64_t outbox_delivered = 0;    // messages delivered
   std::uint64_t outbox_retried = 0;      // failed deliveries, to be retried
   std::uint64_t outbox_parked = 0;       // messages given up on after max_attempts
+  std::uint64_t outbox_given_back = 0;   // claimed messages handed back undelivered: the claim
+                                         // had less than OutboxOptions::deliver_margin left
 
   // Latency, in seconds of real time (std::chrono::steady_clock, never Options::clock). Every
   // label is present from the start, with zero counts. Each observation costs two relaxed
