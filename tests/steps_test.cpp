@@ -639,8 +639,8 @@ TEST_CASE(
     REQUIRE_FALSE(order.empty());
     REQUIRE(handed.size() == 2);
     for (const auto& entry : handed) {
-      const auto id = entry.first;  // a copy: clang 14 cannot capture a structured binding
-      CAPTURE(id);                  // in CAPTURE's lambda
+      const std::string& id = entry.first;  // (not a structured binding: clang 14 cannot
+      CAPTURE(id);                          // capture one in CAPTURE's lambda)
       CHECK(entry.second == (id == order[0] ? 2 : 1));  // the second message: once, by the other
     }
     CHECK(order.size() == 1);
