@@ -660,3 +660,48 @@ TEST_CASE(
     CHECK_THROWS_AS(headers_from_json(bad), idem::CorruptRecordError);
   }
 }
+
+TEST_CASE(
+    "record codec: a thread keeps the last headers it encoded or decoded, and other headers or "
+    "another text are never answered from them") {
+  using idem::detail::headers_from_json;
+  using idem::detail::headers_to_json;
+  using Headers = std::vector<idem::Header>;
+  // Sets whose texts have the same length and differ in one character, a set of two, and one
+  // too long to be kept: each must answer only for itself, in either direction.
+  const Headers a = {{"Content-Type", "application/json"}};
+  const Headers b = {{"Content-Type", "application/jsoN"}};
+  const Headers c = {{"Content-Type", "text/plain"}, {"X-Id", "7"}};
+  const Headers big = {{"X-Long", std::string(2000, 'v')}};
+  const std::string a_text = R"([["Content-Type","application/json"]])";
+  const std::string b_text = R"([["Content-Type","application/jsoN"]])";
+  const std::string c_text = R"([["Content-Type","text/plain"],["X-Id","7"]])";
+  const std::string big_text = R"([["X-Long",")" + std::string(2000, 'v') + R"("]])";
+  const std::pair<const Headers*, const std::string*> sets[] = {
+      {&a, &a_text}, {&b, &b_text}, {&c, &c_text}, {&big, &big_text}};
+  for (const int i : {0, 0, 1, 0, 2, 3, 3, 2, 1, 1, 0, 3, 0}) {
+    const auto [headers, text] = sets[i];
+    CAPTURE(i);
+    CHECK(headers_to_json(*headers) == *text);
+    CHECK(headers_from_json(*text) == *headers);
+    CHECK(headers_from_json(*text) == *headers);
+    CHECK(headers_to_json(*headers) == *text);
+  }
+  for (const int i : {1, 0, 1, 2, 0}) {  // decoding first, then encoding
+    const auto [headers, text] = sets[i];
+    CAPTURE(i);
+    CHECK(headers_from_json(*text) == *headers);
+    CHECK(headers_to_json(*sets[(i + 1) % 3].first) == *sets[(i + 1) % 3].second);
+  }
+  // A text that does not decode is refused every time, whatever was decoded before it, and a
+  // set that does not encode (not UTF-8) too.
+  CHECK(headers_from_json(a_text) == a);
+  const std::string broken = a_text.substr(0, a_text.size() - 1);
+  CHECK_THROWS_AS(headers_from_json(broken), idem::CorruptRecordError);
+  CHECK_THROWS_AS(headers_from_json(broken), idem::CorruptRecordError);
+  const Headers not_utf8 = {{"Content-Type", "\xff"}};
+  CHECK_THROWS_AS(headers_to_json(not_utf8), idem::StoreError);
+  CHECK_THROWS_AS(headers_to_json(not_utf8), idem::StoreError);
+  CHECK(headers_from_json(b_text) == b);
+  CHECK(headers_to_json(a) == a_text);
+}

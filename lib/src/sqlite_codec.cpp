@@ -80,7 +80,7 @@ Record read_record(const sqlite::Statement& s) {
   if (const auto status = nullable_integer(s, 6, "status")) {
     r.response.status = static_cast<int>(*status);
   }
-  if (!s.is_null(7)) r.response.headers = headers_from_json(s.text(7));
+  if (!s.is_null(7)) r.response.headers = headers_from_json(s.text_view(7));
   r.response.body = s.blob(8);
   if (!s.is_null(9)) r.body_ref = s.text(9);
   if (!s.is_null(10)) r.recovery_point = s.text(10);

@@ -171,11 +171,14 @@ std::int64_t Statement::int64(int column) const {
   return sqlite3_column_int64(stmt_.get(), column);
 }
 
-std::string Statement::text(int column) const {
+std::string Statement::text(int column) const { return std::string(text_view(column)); }
+
+std::string_view Statement::text_view(int column) const {
   const auto* p = sqlite3_column_text(stmt_.get(), column);
   const int n = sqlite3_column_bytes(stmt_.get(), column);
-  return p != nullptr ? std::string(reinterpret_cast<const char*>(p), static_cast<std::size_t>(n))
-                      : std::string();
+  return p != nullptr
+             ? std::string_view(reinterpret_cast<const char*>(p), static_cast<std::size_t>(n))
+             : std::string_view();
 }
 
 std::string_view Statement::blob_view(int column) const {

@@ -86,7 +86,9 @@ class Statement {
   std::int64_t int64(int column) const;
   std::string text(int column) const;
   std::string blob(int column) const;
-  // The blob's bytes, valid until the statement steps, resets or is read as another type.
+  // The text's or the blob's bytes, valid until the statement steps, resets or is read as
+  // another type.
+  std::string_view text_view(int column) const;
   std::string_view blob_view(int column) const;
 
  private:
