@@ -187,12 +187,14 @@ struct TwoInFlight final : idem::StoreWrapper {
 
   using StoreWrapper::StoreWrapper;
   std::size_t concurrent_applies() const noexcept override { return 2; }
+  bool remote() const noexcept override { return network; }
   std::unique_ptr<idem::PendingApply> start_apply(std::span<idem::StoreOp* const> ops) override {
     auto held = std::make_unique<Held>(target(), ops);
     started.push_back(held.get());
     return held;
   }
   std::vector<Held*> started;
+  bool network = false;  // remote(): as PgStore, a store that waits on a network peer
 };
 
 }  // namespace
@@ -289,6 +291,91 @@ TEST_CASE("group commit: two batches in flight, each round its share, answers in
     CHECK(op.reservation.kind == idem::Reservation::Kind::reserved);
   }
   CHECK(commits.enqueue(ops[0], listener(0)));  // nobody leads or is posted: the lead is free
+}
+
+TEST_CASE(
+    "group commit: a round that waits on its event loop for a network store takes only that "
+    "loop's writes, so a loop that stops holds no other loop's write nor a thread's") {
+  const idem::Fingerprint fp = idem::test::request("k").fingerprint;
+  const std::vector<idem::KeyId> ids = {
+      {"alpha", "op", "w0"}, {"alpha", "op", "w1"}, {"alpha", "op", "w2"}, {"alpha", "op", "w3"}};
+  const auto reserve = [&](std::size_t i) {
+    return idem::StoreOp{.kind = idem::StoreOp::Kind::reserve,
+                         .id = &ids[i],
+                         .fingerprint = &fp,
+                         .now = kNow,
+                         .lease_until = kNow + 30s};
+  };
+  std::vector<std::string> heard;
+  const auto listener = [&heard](std::string name) {
+    return [&heard, name](idem::detail::GroupCommit::Signal s) {
+      heard.push_back(
+          name + (s == idem::detail::GroupCommit::Signal::committed ? " committed" : " leads"));
+    };
+  };
+  // Two event loops, as the group commit knows them (their addresses), and what each loop's
+  // wait for a started batch would run when the batch is done.
+  const int loop_a = 0, loop_b = 0;
+  std::vector<std::function<void()>> waits_a, waits_b;
+  const idem::detail::GroupCommit::Drive drive_a = [&](idem::PendingApply&,
+                                                       std::function<void()> finished) {
+    waits_a.push_back(std::move(finished));
+  };
+  const idem::detail::GroupCommit::Drive drive_b = [&](idem::PendingApply&,
+                                                       std::function<void()> finished) {
+    waits_b.push_back(std::move(finished));
+  };
+
+  SUBCASE("a network store: loop A's round carries A's write only") {
+    auto store = std::make_shared<TwoInFlight>(std::make_shared<idem::SqliteStore>(":memory:"));
+    store->network = true;
+    idem::detail::GroupCommit commits(*store);
+    idem::StoreOp a0 = reserve(0), b0 = reserve(1), b1 = reserve(2), t0 = reserve(3);
+    CHECK(commits.enqueue(a0, listener("a0"), &loop_a));
+    CHECK(commits.enqueue(b0, listener("b0"), &loop_b));  // B posts a round of its own
+    CHECK_FALSE(commits.enqueue(b1, listener("b1"), &loop_b));
+    commits.lead(drive_a, &loop_a);  // its share would be two of three: it takes one, its own
+    REQUIRE(store->started.size() == 1);
+    CHECK(store->started[0]->ops == std::vector<idem::StoreOp*>{&a0});
+    // Loop A stops here: its wait never runs. B's round commits B's writes all the same.
+    commits.lead(drive_b, &loop_b);
+    REQUIRE(store->started.size() == 2);
+    CHECK(store->started[1]->ops == std::vector<idem::StoreOp*>{&b0, &b1});
+    store->started[1]->advance();
+    waits_b.at(0)();
+    CHECK(heard == std::vector<std::string>{"b0 committed", "b1 committed"});
+    for (const idem::StoreOp* op : {&b0, &b1}) {
+      CHECK_FALSE(op->error);
+      CHECK(op->reservation.kind == idem::Reservation::Kind::reserved);
+    }
+    // So does a thread: it leads a round of its own on the free connection.
+    commits.commit(t0);
+    CHECK_FALSE(t0.error);
+    CHECK(t0.reservation.kind == idem::Reservation::Kind::reserved);
+    CHECK(heard.size() == 2);      // A's write is still in flight, untold
+    store->started[0]->advance();  // loop A runs again
+    waits_a.at(0)();
+    CHECK(heard.back() == "a0 committed");
+    CHECK(a0.reservation.kind == idem::Reservation::Kind::reserved);
+  }
+  SUBCASE("a store that waits for nothing but its disk: a round takes any loop's writes") {
+    auto store = std::make_shared<TwoInFlight>(std::make_shared<idem::SqliteStore>(":memory:"));
+    idem::detail::GroupCommit commits(*store);
+    idem::StoreOp a0 = reserve(0), b0 = reserve(1), b1 = reserve(2);
+    CHECK(commits.enqueue(a0, listener("a0"), &loop_a));
+    CHECK(commits.enqueue(b0, listener("b0"), &loop_b));
+    CHECK_FALSE(commits.enqueue(b1, listener("b1"), &loop_b));
+    commits.lead(drive_a, &loop_a);  // its share of two free connections: two of three
+    REQUIRE(store->started.size() == 1);
+    CHECK(store->started[0]->ops == std::vector<idem::StoreOp*>{&a0, &b0});
+    commits.lead(drive_b, &loop_b);
+    REQUIRE(store->started.size() == 2);
+    CHECK(store->started[1]->ops == std::vector<idem::StoreOp*>{&b1});
+    for (std::size_t i = 0; i < 2; ++i) store->started[i]->advance();
+    waits_a.at(0)();
+    waits_b.at(0)();
+    CHECK(heard == std::vector<std::string>{"a0 committed", "b0 committed", "b1 committed"});
+  }
 }
 
 namespace {

@@ -77,13 +77,25 @@ std::size_t GroupCommit::queued() {
 void GroupCommit::lead(const Drive& drive, const void* context) noexcept {
   std::unique_lock lock(mutex_);
   std::erase(posted_, context);
-  if (rounds_ >= max_rounds_ || queue_.empty()) return;  // a running round hands on
+  // Waiting on this event loop for a network store, the round takes this loop's writes only
+  // (the rule is in group_commit.hpp).
+  const std::optional<const void*> only =
+      store_.remote() ? std::optional<const void*>(context) : std::nullopt;
+  const auto mine = static_cast<std::size_t>(
+      std::ranges::count_if(queue_, [only](const Pending& p) { return takes(p, nullptr, only); }));
+  if (rounds_ >= max_rounds_) return;  // a running round hands on
+  if (mine == 0) {  // another round took them: whoever is left is handed on as a round ends
+    const std::optional<Pending> next_leader = hand_on();
+    lock.unlock();
+    if (next_leader) next_leader->tell(Signal::lead);
+    return;
+  }
   ++rounds_;
   // With connections to spare, a round takes its share of the queue and the rest goes out
   // at once on another: while the database works on one batch, the event loop runs the
   // calls the other one answered, which queue the next (double buffering).
   const std::size_t free = max_rounds_ - rounds_ + 1;  // this round's included
-  const std::shared_ptr<Round> r = take(lock, (queue_.size() + free - 1) / free, nullptr);
+  const std::shared_ptr<Round> r = take(lock, (mine + free - 1) / free, nullptr, only);
   try {
     r->pending = store_.start_apply(r->ops);
   } catch (...) {  // start_apply never throws by contract; a broken engine must not wedge us
@@ -198,13 +210,18 @@ void GroupCommit::gather(std::unique_lock<std::mutex>& lock) {
   }
 }
 
+bool GroupCommit::takes(const Pending& p, const Bell* own, std::optional<const void*> only) {
+  if (p.leading && p.bell.get() != own) return false;  // another thread's round takes it
+  return !only || (p.bell == nullptr && p.context == *only);
+}
+
 std::shared_ptr<GroupCommit::Round> GroupCommit::take(std::unique_lock<std::mutex>& lock,
-                                                      std::size_t most, const Bell* own) {
+                                                      std::size_t most, const Bell* own,
+                                                      std::optional<const void*> only) {
   auto r = std::make_shared<Round>();
   std::vector<Pending> rest;
   for (Pending& p : queue_) {
-    const bool others_lead = p.leading && p.bell.get() != own;
-    if (!others_lead && r->batch.size() < most) {
+    if (takes(p, own, only) && r->batch.size() < most) {
       r->batch.push_back(std::move(p));
     } else {
       rest.push_back(std::move(p));

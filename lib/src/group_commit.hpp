@@ -28,9 +28,13 @@
 // thread may be busy with other work, or stopped for good. Its
 // round starts the batch with Store::start_apply() where the store can, and the event loop
 // waits for the store's socket (lead()'s Drive), so its thread runs other coroutines
-// meanwhile; otherwise the round runs Store::apply() on that thread. The io_context of a
-// coroutine that is waiting here must outlive the wait (as for any Asio operation in
-// progress).
+// meanwhile; otherwise the round runs Store::apply() on that thread. A round that may wait on
+// its event loop for a network store (Store::remote()) takes only that loop's writes: a write
+// of another loop or of a thread never waits for a loop that is busy or stopped, whose
+// answer it could otherwise hear only when that loop runs again. (A round of a store that
+// waits for nothing but its disk is done before its leader returns, and takes any writes.)
+// The io_context of a coroutine that is waiting here must outlive the wait (as for any Asio
+// operation in progress).
 //
 // Writers are told after the queue's lock is released, so a woken thread does not go
 // straight back to sleep on that lock.
@@ -139,11 +143,15 @@ class GroupCommit {
     std::chrono::steady_clock::time_point started{};  // when its batch went to the store
   };
 
-  // Takes the first `most` queued writes as a round (a round counted in rounds_ by the
-  // caller), except those of other leading threads (own: the leading thread's bell, if a
-  // thread leads), and hands what is left on (hand_on()). Returns with the lock released.
-  std::shared_ptr<Round> take(std::unique_lock<std::mutex>& lock, std::size_t most,
-                              const Bell* own);
+  // Whether a round may take `p`: not another leading thread's write (own: the leading
+  // thread's bell, if a thread leads), and, with `only`, nothing but the coroutine writes of
+  // that event loop.
+  static bool takes(const Pending& p, const Bell* own, std::optional<const void*> only);
+  // Takes the first `most` queued writes that takes() allows as a round (a round counted in
+  // rounds_ by the caller), and hands what is left on (hand_on()). Returns with the lock
+  // released.
+  std::shared_ptr<Round> take(std::unique_lock<std::mutex>& lock, std::size_t most, const Bell* own,
+                              std::optional<const void*> only = std::nullopt);
   // Who leads the next round, if the queue holds writes and a round is free: counted in
   // rounds_ for a thread, in posted_ for a coroutine. Requires the lock; the caller tells it
   // after releasing the lock.
