@@ -191,6 +191,38 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "pg faults: a store whose LISTEN connection is reconnecting to a server that does not answer "
+    "is destroyed at once, not after its connect deadline") {
+  PG_FAULTS_SERVER_OR_SKIP();
+  FaultProxy proxy(Server{}.target());
+  const std::string schema = idem::test::fresh_pg_schema();
+  // Deadlines far past the test's bounds: only a stop that ends the wait passes.
+  auto listening =
+      std::make_unique<idem::PgStore>(Server::via(proxy), idem::PgOptions{.schema = schema,
+                                                                          .statement_timeout = 60s,
+                                                                          .connect_timeout = 60s,
+                                                                          .batch_connections = 0,
+                                                                          .notify = true});
+  const std::uint64_t subscription = listening->add_change_listener([](const idem::KeyId&) {});
+  REQUIRE(idem::test::eventually(
+      [&] { return idem::detail::StoreStats::of(*listening).listens == 1; }, 10s));
+  const std::uint64_t accepted = proxy.accepted();
+  proxy.stall();  // connections accepted from now on reach no server and hear nothing
+  proxy.cut();    // the LISTEN connection ends: the listener connects again, and waits
+  REQUIRE(idem::test::eventually([&] { return proxy.accepted() > accepted; }, 10s));
+  std::atomic<bool> destroyed{false};
+  std::thread destroying([&] {
+    listening->remove_change_listener(subscription);
+    listening.reset();
+    destroyed = true;
+  });
+  // A failure bound: a listener that waits out its connect deadline takes 60 s.
+  CHECK(idem::test::eventually([&] { return destroyed.load(); }, 10s));
+  destroying.join();
+  proxy.resume();
+}
+
+TEST_CASE(
     "pg faults: during a stall of one node's connection its /healthz answers, its requests end "
     "with 503, /readyz says not ready, the other node serves, and afterwards it serves again") {
   PG_FAULTS_SERVER_OR_SKIP();

@@ -60,6 +60,7 @@ bool PgListener::answers(pg::Session& session) {
 void PgListener::run() {
   std::chrono::milliseconds backoff = reconnect_min_;
   pg::Session session;
+  session.interrupt_on(stop_fd_);  // stopping ends a connect, a LISTEN or a probe at once
   for (;;) {
     if (!session.connected()) {
       if (!open(session)) {

@@ -33,8 +33,8 @@ class PgListener {
   PgListener(pg::Parameters connect, std::string listen, Notify notify, Listening listening,
              std::chrono::milliseconds reconnect_min, std::chrono::milliseconds reconnect_max);
   // Stops the thread: after it returns, the callback is not running and never runs again.
-  // Waits for a connection attempt or a silent connection's question in progress (their
-  // deadlines: Timeouts::connect, Timeouts::reply()) before the thread sees the stop.
+  // A connection attempt, a LISTEN or a silent connection's question in progress ends at once
+  // (pg::Session::interrupt_on); only a callback in progress is waited for.
   ~PgListener();
   PgListener(const PgListener&) = delete;
   PgListener& operator=(const PgListener&) = delete;

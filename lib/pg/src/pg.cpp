@@ -119,11 +119,12 @@ void Session::open(const Parameters& p) {
 }
 
 bool Session::wait(short events, Deadline deadline) const {
-  pollfd p{PQsocket(conn_), events, 0};
-  if (p.fd < 0) return true;  // no socket: libpq's next call reports the broken connection
+  // poll(2) skips an entry whose descriptor is negative: without an interrupt, the socket alone.
+  pollfd p[2] = {{PQsocket(conn_), events, 0}, {interrupt_, POLLIN, 0}};
+  if (p[0].fd < 0) return true;  // no socket: libpq's next call reports the broken connection
   for (;;) {
-    const int n = ::poll(&p, 1, poll_timeout(deadline));
-    if (n > 0) return true;
+    const int n = ::poll(p, 2, poll_timeout(deadline));
+    if (n > 0) return p[1].revents == 0;
     if (n == 0) return false;
     if (errno != EINTR) return true;
   }

@@ -68,6 +68,11 @@ class Session {
   // Closes the connection, if any.
   void close() noexcept;
   bool connected() const noexcept { return conn_ != nullptr; }
+  // A descriptor that, once readable, ends every wait of this session as its deadline would
+  // (connecting or a statement then fails with StoreError and the connection is closed): for
+  // a thread that must stop at once whatever the server does. The caller owns it and keeps it
+  // open while the session may wait. -1 (the default): none.
+  void interrupt_on(int fd) noexcept { interrupt_ = fd; }
   // The connection (null when there is none): for libpq calls that do not wait.
   PGconn* get() const noexcept { return conn_; }
   const Timeouts& timeouts() const noexcept { return timeouts_; }
@@ -87,7 +92,7 @@ class Session {
   // For pipelines and other waits of the caller's own: waits until the socket is ready for
   // `events` (POLLIN, POLLOUT) or `deadline` passes. True when ready (or the socket failed:
   // libpq's next call tells); false at the deadline.
-  bool wait(short events, Deadline deadline) const;
+  bool wait(short events, Deadline deadline) const;  // false as well once interrupted
   // Sends what libpq has buffered, waiting for room until `deadline`. False if it could not
   // (the deadline passed, or the connection broke).
   bool flush(Deadline deadline) const;
@@ -106,6 +111,7 @@ class Session {
   PGconn* conn_ = nullptr;
   Timeouts timeouts_;
   bool timed_out_ = false;
+  int interrupt_ = -1;
 };
 
 // "postgresql: <what>: [SQLSTATE] <message>" from a failed result, or from the connection's
