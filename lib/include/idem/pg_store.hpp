@@ -51,7 +51,11 @@ struct PgOptions {
   // Default: 1 s.
   std::chrono::milliseconds reply_margin{1000};
   // How long connecting may take in all (TCP, authentication, settings), whatever the
-  // conninfo's connect_timeout says. Default: 5 s.
+  // conninfo's connect_timeout says. Default: 5 s. Not bounded by it: a host name's lookup,
+  // which libpq makes with the system resolver, blocking, before it connects (the resolver's
+  // own timeouts, /etc/resolv.conf), and GSSAPI's calls to a Kerberos server. Give `hostaddr`
+  // (an IP address) beside or instead of `host`, and `gssencmode=disable` where GSSAPI is not
+  // used, to keep every wait of a connect within this deadline.
   std::chrono::milliseconds connect_timeout{5000};
   // After a lost connection, reconnection is tried on the next use, at most once per backoff:
   // from reconnect_min, doubling up to reconnect_max, reset by a success. Meanwhile every
