@@ -239,7 +239,11 @@ struct DispatchReport {
 
 // Delivers one message; throws if it was not delivered. The receiver deduplicates on
 // OutboxMessage::id: delivery is at least once (a dispatcher that dies after delivering and
-// before marking delivers again), the effect exactly once.
+// before marking delivers again), the effect exactly once. Give each delivery a deadline of its
+// own (the receiver's client timeout), well under deliver_margin: idem cannot end a call in
+// progress, so a delivery that never returns holds its dispatcher's thread (and, under
+// Maintenance, the schedule's other jobs on it) until it does, and one that outlasts its claim
+// may be delivered again meanwhile by another dispatcher.
 using Delivery = std::function<void(const OutboxMessage&)>;
 
 // Delivers the outbox. Never called on a request's path: messages queued by local steps
