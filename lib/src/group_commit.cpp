@@ -84,7 +84,7 @@ void GroupCommit::lead(const Drive& drive, const void* context) noexcept {
   const auto mine = static_cast<std::size_t>(
       std::ranges::count_if(queue_, [only](const Pending& p) { return takes(p, nullptr, only); }));
   if (rounds_ >= max_rounds_) return;  // a running round hands on
-  if (mine == 0) {  // another round took them: whoever is left is handed on as a round ends
+  if (mine == 0) {  // nothing of this loop's is queued now: hand on whatever is left
     const std::optional<Pending> next_leader = hand_on();
     lock.unlock();
     if (next_leader) next_leader->tell(Signal::lead);
