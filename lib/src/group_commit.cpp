@@ -77,13 +77,13 @@ std::size_t GroupCommit::queued() {
 void GroupCommit::lead(const Drive& drive, const void* context) noexcept {
   std::unique_lock lock(mutex_);
   std::erase(posted_, context);
+  if (rounds_ >= max_rounds_) return;  // a running round hands on
   // Waiting on this event loop for a network store, the round takes this loop's writes only
   // (the rule is in group_commit.hpp).
   const std::optional<const void*> only =
       store_.remote() ? std::optional<const void*>(context) : std::nullopt;
   const auto mine = static_cast<std::size_t>(
       std::ranges::count_if(queue_, [only](const Pending& p) { return takes(p, nullptr, only); }));
-  if (rounds_ >= max_rounds_) return;  // a running round hands on
   if (mine == 0) {  // nothing of this loop's is queued now: hand on whatever is left
     const std::optional<Pending> next_leader = hand_on();
     lock.unlock();
