@@ -113,6 +113,15 @@ struct CountingStore final : idem::StoreWrapper {
   }
 };
 
+// A writer's notify that notes what the writer hears in `heard`: "NAME committed" or
+// "NAME leads".
+idem::detail::GroupCommit::Notify noting(std::vector<std::string>& heard, std::string name) {
+  return [&heard, name = std::move(name)](idem::detail::GroupCommit::Signal s) {
+    heard.push_back(name +
+                    (s == idem::detail::GroupCommit::Signal::committed ? " committed" : " leads"));
+  };
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -132,12 +141,7 @@ TEST_CASE(
                                                      .lease_until = kNow + 30s};
   }
   std::vector<std::string> heard;
-  auto listener = [&heard](std::string name) {
-    return [&heard, name](idem::detail::GroupCommit::Signal s) {
-      heard.push_back(
-          name + (s == idem::detail::GroupCommit::Signal::committed ? " committed" : " leads"));
-    };
-  };
+  const auto listener = [&heard](std::string name) { return noting(heard, std::move(name)); };
   CHECK(commits.enqueue(ops[0], listener("w0")));  // nobody leads: w0 will
   for (int i = 1; i < 5; ++i)
     CHECK_FALSE(
@@ -245,12 +249,7 @@ TEST_CASE("group commit: two batches in flight, each round its share, answers in
                            .lease_until = kNow + 30s};
   }
   std::vector<std::string> heard;
-  const auto listener = [&heard](std::size_t i) {
-    return [&heard, i](idem::detail::GroupCommit::Signal s) {
-      heard.push_back(fmt::format(
-          "w{} {}", i, s == idem::detail::GroupCommit::Signal::committed ? "committed" : "leads"));
-    };
-  };
+  const auto listener = [&heard](std::size_t i) { return noting(heard, fmt::format("w{}", i)); };
   // The event loop's wait, held by the test: each started batch and what ends its round.
   std::vector<std::function<void()>> finishers;
   const idem::detail::GroupCommit::Drive drive = [&](idem::PendingApply&,
@@ -307,12 +306,7 @@ TEST_CASE(
                          .lease_until = kNow + 30s};
   };
   std::vector<std::string> heard;
-  const auto listener = [&heard](std::string name) {
-    return [&heard, name](idem::detail::GroupCommit::Signal s) {
-      heard.push_back(
-          name + (s == idem::detail::GroupCommit::Signal::committed ? " committed" : " leads"));
-    };
-  };
+  const auto listener = [&heard](std::string name) { return noting(heard, std::move(name)); };
   // Two event loops, as the group commit knows them (their addresses), and what each loop's
   // wait for a started batch would run when the batch is done.
   const int loop_a = 0, loop_b = 0;
