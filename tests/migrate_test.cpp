@@ -141,7 +141,7 @@ struct Populated : Before {
       if (m.topic == "ledger") ledger_id = m.id;
       if (m.topic == "audit") audit_id = m.id;
     }
-    REQUIRE(sqlite->outbox_delivered(audit_id, clock->now()));
+    REQUIRE(sqlite->outbox_delivered(std::vector<std::string>{audit_id}, clock->now()) == 1);
     sqlite->outbox_failed(ledger_id, clock->now(), true, "mailbox full");
     REQUIRE(charges() == 5);
   }

@@ -611,6 +611,89 @@ TEST_CASE("outbox: delivered at least once, deduplicated by message id, backoff,
   }
 }
 
+// The store under a dispatcher, telling its outbox writes in order ("delivered N": one
+// transaction marking N messages; "failed"), and failing outbox_failed on demand.
+struct TellingOutbox final : idem::StoreWrapper {
+  using StoreWrapper::StoreWrapper;
+  std::vector<std::string> writes;
+  bool fail_failures = false;
+  std::size_t outbox_delivered(std::span<const std::string> ids, TimePoint now) override {
+    writes.push_back(fmt::format("delivered {}", ids.size()));
+    return StoreWrapper::outbox_delivered(ids, now);
+  }
+  void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
+                     const std::string& why) override {
+    writes.push_back("failed");
+    if (fail_failures) throw StoreError("disk full", 13);
+    StoreWrapper::outbox_failed(id, retry_at, park, why);
+  }
+};
+
+TEST_CASE(
+    "outbox: a dispatcher marks what a batch delivered in one transaction, and before it records "
+    "a failure, so a store error then loses no mark") {
+  Shop shop;
+  for (int i = 0; i < 5; ++i) {
+    shop.world.clock->advance(1ms);
+    shop.checkout(fmt::format("k{}", i), shop.order(fmt::format("A-{}", i)));
+  }
+  idem::StepStore& outbox = idem::steps_of(*shop.world.store);
+  REQUIRE(outbox.outbox_counts().pending == 5);
+  const auto store = std::make_shared<TellingOutbox>(shop.world.store);
+  Options o = step_options();
+  o.clock = shop.world.clock;
+  Coordinator idem(store, o);
+  std::map<std::string, int> handed;  // no receiver deduplicates here
+  int deliveries = 0, fail_at = 0;
+  const Delivery count = [&](const OutboxMessage& m) {
+    ++handed[m.id];
+    if (++deliveries == fail_at) throw std::runtime_error("receiver down");
+  };
+  const auto handed_twice = [&] {
+    int n = 0;
+    for (const auto& entry : handed) n += entry.second == 2 ? 1 : 0;
+    return n;
+  };
+  SUBCASE("one batch: one mark") {
+    CHECK(Dispatcher(idem, count).run_once().delivered == 5);
+    CHECK(store->writes == std::vector<std::string>{"delivered 5"});
+    CHECK(outbox.outbox_counts().delivered == 5);
+    CHECK(idem.metrics().outbox_delivered == 5);
+    CHECK(handed_twice() == 0);
+  }
+  SUBCASE("batches of two: a mark each") {
+    CHECK(Dispatcher(idem, count, OutboxOptions{.batch = 2}).run_once().delivered == 5);
+    CHECK(store->writes == std::vector<std::string>{"delivered 2", "delivered 2", "delivered 1"});
+    CHECK(outbox.outbox_counts().delivered == 5);
+    CHECK(handed_twice() == 0);
+  }
+  SUBCASE("a failure: what came before it is marked first") {
+    fail_at = 3;
+    const DispatchReport r = Dispatcher(idem, count).run_once();
+    CHECK(r.delivered == 4);
+    CHECK(r.retried == 1);
+    CHECK(store->writes == std::vector<std::string>{"delivered 2", "failed", "delivered 2"});
+    CHECK(outbox.outbox_counts().pending == 1);
+    CHECK(outbox.outbox_counts().delivered == 4);
+    CHECK(handed_twice() == 0);
+  }
+  SUBCASE("recording the failure fails: the two delivered before it stay delivered") {
+    fail_at = 3;
+    store->fail_failures = true;
+    CHECK_THROWS_AS(Dispatcher(idem, count).run_once(), StoreError);
+    CHECK(store->writes == std::vector<std::string>{"delivered 2", "failed"});
+    CHECK(outbox.outbox_counts().delivered == 2);
+    // The failed one and the two not tried are claimed until the claim ends; then only those
+    // three are handed over again.
+    shop.world.clock->advance(31s);
+    store->fail_failures = false;
+    CHECK(Dispatcher(idem, count).run_once().delivered == 3);
+    CHECK(outbox.outbox_counts().delivered == 5);
+    CHECK(handed_twice() == 1);  // the one whose failure was not recorded
+  }
+  CHECK(handed.size() == 5);
+}
+
 TEST_CASE(
     "outbox: a dispatcher paused past its claim delivers nothing more of its batch: the other "
     "dispatcher that claimed it meanwhile delivers each message, once") {

@@ -375,10 +375,10 @@ WHERE id IN (SELECT id FROM {s}.idem_outbox WHERE state = 0 AND next_at <= $1::b
              ORDER BY next_at LIMIT $3::bigint FOR UPDATE SKIP LOCKED)
 RETURNING id, topic, payload, attempts, created_at)sql";
 
-// $1 id $2 now
+// $1 the ids, a JSON array of strings $2 now
 inline constexpr std::string_view kOutboxDelivered = R"sql(
 UPDATE {s}.idem_outbox SET state = 1, next_at = $2::bigint, last_error = NULL
-WHERE id = $1 AND state = 0)sql";
+WHERE id IN (SELECT json_array_elements_text($1::json)) AND state = 0)sql";
 
 // $1 id $2 due again at (or parked at) $3 1: park $4 why
 inline constexpr std::string_view kOutboxFailed = R"sql(

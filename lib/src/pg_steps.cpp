@@ -262,12 +262,15 @@ std::vector<OutboxMessage> PgStore::claim_outbox(TimePoint now, TimePoint claim_
   return out;
 }
 
-bool PgStore::outbox_delivered(const std::string& id, TimePoint now) {
+std::size_t PgStore::outbox_delivered(std::span<const std::string> ids, TimePoint now) {
+  if (ids.empty()) return 0;
+  nlohmann::json list = nlohmann::json::array();
+  for (const std::string& id : ids) list.push_back(id);
   Impl& d = *impl_->upkeep;
   return d.locked([&] {
     Params p;
-    p.text(id).integer(d.shift().to_db(now));
-    return pg::changed(d.run(kOutboxDelivered, p).get()) == 1;
+    p.text(list.dump()).integer(d.shift().to_db(now));
+    return static_cast<std::size_t>(pg::changed(d.run(kOutboxDelivered, p).get()));
   });
 }
 

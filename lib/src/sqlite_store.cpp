@@ -847,14 +847,21 @@ std::vector<OutboxMessage> SqliteStore::claim_outbox(TimePoint now, TimePoint cl
   });
 }
 
-bool SqliteStore::outbox_delivered(const std::string& id, TimePoint now) {
+std::size_t SqliteStore::outbox_delivered(std::span<const std::string> ids, TimePoint now) {
+  if (ids.empty()) return 0;
   Impl& d = *impl_;
-  return d.write([&]() -> bool {
-    Statement& s = d.outbox_delivered;
-    ResetGuard reset(s);
-    s.bind(1, id);
-    s.bind(2, detail::ms(now));
-    return Impl::changed(s);
+  return d.write([&]() -> std::size_t {
+    sqlite::Transaction t(d.tx);
+    std::size_t marked = 0;
+    for (const std::string& id : ids) {
+      Statement& s = d.outbox_delivered;
+      ResetGuard reset(s);
+      s.bind(1, id);
+      s.bind(2, detail::ms(now));
+      if (Impl::changed(s)) ++marked;
+    }
+    t.commit();
+    return marked;
   });
 }
 

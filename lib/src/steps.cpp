@@ -281,6 +281,18 @@ DispatchReport Dispatcher::run_once() {
   const TimePoint began = core.now();
   const std::chrono::milliseconds margin = options_.deliver_margin.value_or(
       std::min<std::chrono::milliseconds>(std::chrono::seconds(1), options_.claim_for / 4));
+  // What a batch delivered is marked in one transaction: when the batch ends, and before a
+  // failure is recorded or the rest given back (so no mark waits behind a store error). A
+  // dispatcher that dies before then leaves those messages claimed, and they are delivered
+  // again once the claim ends, as one that died mid-delivery would.
+  std::vector<std::string> delivered;
+  const auto mark_delivered = [&] {
+    if (delivered.empty()) return;
+    store.outbox_delivered(delivered, core.now());
+    report.delivered += delivered.size();
+    detail::bump(core.counters.outbox_delivered, delivered.size());
+    delivered.clear();
+  };
   for (;;) {
     const TimePoint claimed_until = core.now() + options_.claim_for;
     const std::vector<OutboxMessage> batch =
@@ -290,6 +302,7 @@ DispatchReport Dispatcher::run_once() {
       // The claim is what keeps other dispatchers off these messages: past its margin, the
       // rest goes back (due again at claimed_until) and nothing more is delivered in this run.
       if (core.now() + margin >= claimed_until) {
+        mark_delivered();
         report.given_back = batch.size() - next;
         detail::bump(core.counters.outbox_given_back, report.given_back);
         core.log(LogLevel::warning, "outbox_claim_lapsed", "-", m.topic, 0,
@@ -307,11 +320,10 @@ DispatchReport Dispatcher::run_once() {
         failure = "unknown error";
       }
       if (failure.empty()) {
-        store.outbox_delivered(m.id, core.now());
-        ++report.delivered;
-        detail::bump(core.counters.outbox_delivered);
+        delivered.push_back(m.id);
         continue;
       }
+      mark_delivered();
       const int attempts = m.attempts + 1;
       const bool park = attempts >= options_.max_attempts;
       auto backoff = options_.first_retry;
@@ -332,6 +344,7 @@ DispatchReport Dispatcher::run_once() {
                              attempts, backoff.count(), failure));
       }
     }
+    mark_delivered();
     if (batch.size() < options_.batch) return report;
   }
 }

@@ -54,8 +54,8 @@ std::vector<OutboxMessage> StoreWrapper::claim_outbox(TimePoint now, TimePoint c
   return steps_of(*target_).claim_outbox(now, claim_until, limit);
 }
 
-bool StoreWrapper::outbox_delivered(const std::string& id, TimePoint now) {
-  return steps_of(*target_).outbox_delivered(id, now);
+std::size_t StoreWrapper::outbox_delivered(std::span<const std::string> ids, TimePoint now) {
+  return steps_of(*target_).outbox_delivered(ids, now);
 }
 
 void StoreWrapper::outbox_failed(const std::string& id, TimePoint retry_at, bool park,

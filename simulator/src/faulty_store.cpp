@@ -135,8 +135,8 @@ std::vector<OutboxMessage> FaultyStore::claim_outbox(TimePoint now, TimePoint cl
                  [&] { return StoreWrapper::claim_outbox(now, claim_until, limit); });
 }
 
-bool FaultyStore::outbox_delivered(const std::string& id, TimePoint now) {
-  return through(Operation::outbox, [&] { return StoreWrapper::outbox_delivered(id, now); });
+std::size_t FaultyStore::outbox_delivered(std::span<const std::string> ids, TimePoint now) {
+  return through(Operation::outbox, [&] { return StoreWrapper::outbox_delivered(ids, now); });
 }
 
 void FaultyStore::outbox_failed(const std::string& id, TimePoint retry_at, bool park,

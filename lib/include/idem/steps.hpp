@@ -219,7 +219,8 @@ struct OutboxOptions {
   // have claimed and be delivering by then. Not negative, shorter than claim_for. nullopt: 1 s,
   // or a quarter of claim_for if that is shorter.
   std::optional<std::chrono::milliseconds> deliver_margin{};
-  // Messages claimed at once. Default: 100.
+  // Messages claimed at once, and at most marked delivered at once (in one transaction: a
+  // dispatcher that dies mid-batch delivers up to this many again). Default: 100.
   std::size_t batch = 100;
   // Delivered messages are purged this long after delivery, and never later than the
   // coordinator's TTL (Options::ttl), so the outbox stays bounded as the keys do. (A receiver
@@ -238,8 +239,10 @@ struct DispatchReport {
 };
 
 // Delivers one message; throws if it was not delivered. The receiver deduplicates on
-// OutboxMessage::id: delivery is at least once (a dispatcher that dies after delivering and
-// before marking delivers again), the effect exactly once. Give each delivery a deadline of its
+// OutboxMessage::id: delivery is at least once (a dispatcher marks what it delivered of a batch
+// in one transaction, when the batch ends or before it records a failure; one that dies before
+// that leaves those messages claimed, delivered again once the claim ends), the effect exactly
+// once. Give each delivery a deadline of its
 // own (the receiver's client timeout), well under deliver_margin: idem cannot end a call in
 // progress, so a delivery that never returns holds its dispatcher's thread (and, under
 // Maintenance, the schedule's other jobs on it) until it does, and one that outlasts its claim

@@ -390,8 +390,10 @@ class StepStore {
   // `claim_until` (another dispatcher skips them meanwhile). Oldest first.
   virtual std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
                                                   std::size_t limit) = 0;
-  // Marks a message delivered at `now`. Returns false if it was not pending.
-  virtual bool outbox_delivered(const std::string& id, TimePoint now) = 0;
+  // Marks messages delivered at `now`, all in one transaction (a dispatcher marks what it
+  // delivered of a batch at once). A message no longer pending (delivered, parked, or purged)
+  // is left as it is. Returns how many were pending.
+  virtual std::size_t outbox_delivered(std::span<const std::string> ids, TimePoint now) = 0;
   // Counts a failed delivery: due again at `retry_at`, or parked for good if `park`.
   virtual void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
                              const std::string& why) = 0;

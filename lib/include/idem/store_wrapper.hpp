@@ -48,7 +48,7 @@ class StoreWrapper : public Store, public StepStore {
                                             std::span<const std::string> operations) override;
   std::vector<OutboxMessage> claim_outbox(TimePoint now, TimePoint claim_until,
                                           std::size_t limit) override;
-  bool outbox_delivered(const std::string& id, TimePoint now) override;
+  std::size_t outbox_delivered(std::span<const std::string> ids, TimePoint now) override;
   void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
                      const std::string& why) override;
   OutboxCounts outbox_counts() override;
