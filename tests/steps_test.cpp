@@ -612,13 +612,14 @@ TEST_CASE("outbox: delivered at least once, deduplicated by message id, backoff,
 }
 
 // The store under a dispatcher, telling its outbox writes in order ("delivered N": one
-// transaction marking N messages; "failed"), and failing outbox_failed on demand.
+// transaction marking N messages; "failed"), and failing them on demand (nothing written).
 struct TellingOutbox final : idem::StoreWrapper {
   using StoreWrapper::StoreWrapper;
   std::vector<std::string> writes;
-  bool fail_failures = false;
+  bool fail_marks = false, fail_failures = false;
   std::size_t outbox_delivered(std::span<const std::string> ids, TimePoint now) override {
     writes.push_back(fmt::format("delivered {}", ids.size()));
+    if (fail_marks) throw StoreError("disk full", 13);
     return StoreWrapper::outbox_delivered(ids, now);
   }
   void outbox_failed(const std::string& id, TimePoint retry_at, bool park,
@@ -631,7 +632,7 @@ struct TellingOutbox final : idem::StoreWrapper {
 
 TEST_CASE(
     "outbox: a dispatcher marks what a batch delivered in one transaction, and before it records "
-    "a failure, so a store error then loses no mark") {
+    "a failure or gives the rest back, so a store error then loses no mark") {
   Shop shop;
   for (int i = 0; i < 5; ++i) {
     shop.world.clock->advance(1ms);
@@ -649,9 +650,9 @@ TEST_CASE(
     ++handed[m.id];
     if (++deliveries == fail_at) throw std::runtime_error("receiver down");
   };
-  const auto handed_twice = [&] {
+  const auto handed_again = [&] {  // messages handed over more than once
     int n = 0;
-    for (const auto& entry : handed) n += entry.second == 2 ? 1 : 0;
+    for (const auto& entry : handed) n += entry.second > 1 ? 1 : 0;
     return n;
   };
   SUBCASE("one batch: one mark") {
@@ -659,13 +660,11 @@ TEST_CASE(
     CHECK(store->writes == std::vector<std::string>{"delivered 5"});
     CHECK(outbox.outbox_counts().delivered == 5);
     CHECK(idem.metrics().outbox_delivered == 5);
-    CHECK(handed_twice() == 0);
   }
   SUBCASE("batches of two: a mark each") {
     CHECK(Dispatcher(idem, count, OutboxOptions{.batch = 2}).run_once().delivered == 5);
     CHECK(store->writes == std::vector<std::string>{"delivered 2", "delivered 2", "delivered 1"});
     CHECK(outbox.outbox_counts().delivered == 5);
-    CHECK(handed_twice() == 0);
   }
   SUBCASE("a failure: what came before it is marked first") {
     fail_at = 3;
@@ -675,7 +674,6 @@ TEST_CASE(
     CHECK(store->writes == std::vector<std::string>{"delivered 2", "failed", "delivered 2"});
     CHECK(outbox.outbox_counts().pending == 1);
     CHECK(outbox.outbox_counts().delivered == 4);
-    CHECK(handed_twice() == 0);
   }
   SUBCASE("recording the failure fails: the two delivered before it stay delivered") {
     fail_at = 3;
@@ -689,7 +687,35 @@ TEST_CASE(
     store->fail_failures = false;
     CHECK(Dispatcher(idem, count).run_once().delivered == 3);
     CHECK(outbox.outbox_counts().delivered == 5);
-    CHECK(handed_twice() == 1);  // the one whose failure was not recorded
+    CHECK(handed_again() == 1);  // the one whose failure was not recorded
+  }
+  SUBCASE("the claim runs short after two: they are marked, then the other three given back") {
+    // claim_for 30 s, deliver_margin 1 s (the defaults): the second delivery takes 29.5 s.
+    const Delivery slow = [&](const OutboxMessage& m) {
+      ++handed[m.id];
+      if (++deliveries == 2) shop.world.clock->advance(29500ms);
+    };
+    const DispatchReport r = Dispatcher(idem, slow).run_once();
+    CHECK(r.delivered == 2);
+    CHECK(r.given_back == 3);
+    CHECK(store->writes == std::vector<std::string>{"delivered 2"});
+    CHECK(outbox.outbox_counts().delivered == 2);
+    shop.world.clock->advance(500ms);  // the claim ends: the three are due again
+    CHECK(Dispatcher(idem, count).run_once().delivered == 3);
+    CHECK(handed_again() == 0);
+  }
+  SUBCASE("the mark fails: nothing is counted, and the batch is delivered again after its claim") {
+    store->fail_marks = true;
+    CHECK_THROWS_AS(Dispatcher(idem, count).run_once(), StoreError);
+    CHECK(store->writes == std::vector<std::string>{"delivered 5"});
+    CHECK(outbox.outbox_counts().delivered == 0);
+    CHECK(idem.metrics().outbox_delivered == 0);
+    CHECK(Dispatcher(idem, count).run_once().delivered == 0);  // still claimed
+    store->fail_marks = false;
+    shop.world.clock->advance(31s);
+    CHECK(Dispatcher(idem, count).run_once().delivered == 5);
+    CHECK(idem.metrics().outbox_delivered == 5);
+    CHECK(handed_again() == 5);  // at least once: the receiver deduplicates on the id
   }
   CHECK(handed.size() == 5);
 }

@@ -284,7 +284,9 @@ DispatchReport Dispatcher::run_once() {
   // What a batch delivered is marked in one transaction: when the batch ends, and before a
   // failure is recorded or the rest given back (so no mark waits behind a store error). A
   // dispatcher that dies before then leaves those messages claimed, and they are delivered
-  // again once the claim ends, as one that died mid-delivery would.
+  // again once the claim ends, as one that died mid-delivery would. How many of them were
+  // still pending (the count outbox_delivered returns) does not matter here: a message another
+  // dispatcher delivered and marked after our claim ended was delivered by us too.
   std::vector<std::string> delivered;
   const auto mark_delivered = [&] {
     if (delivered.empty()) return;

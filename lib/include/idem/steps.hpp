@@ -240,13 +240,14 @@ struct DispatchReport {
 
 // Delivers one message; throws if it was not delivered. The receiver deduplicates on
 // OutboxMessage::id: delivery is at least once (a dispatcher marks what it delivered of a batch
-// in one transaction, when the batch ends or before it records a failure; one that dies before
-// that leaves those messages claimed, delivered again once the claim ends), the effect exactly
-// once. Give each delivery a deadline of its own (the receiver's client timeout), well under
-// deliver_margin: idem cannot end a call in progress, so a delivery that never returns holds
-// its dispatcher's thread (and, under Maintenance, the schedule's other jobs on it) until it
-// does, and one that outlasts its claim may be delivered again meanwhile by another
-// dispatcher.
+// in one transaction, when the batch ends, before it records a failure or before it gives the
+// rest back; one that dies before that leaves those messages claimed, delivered again once the
+// claim ends), the effect exactly once. Give each delivery a deadline of its own (the
+// receiver's client timeout), well under deliver_margin: idem cannot end a call in progress, so
+// a delivery that never returns holds its dispatcher's thread (and, under Maintenance, the
+// schedule's other jobs on it) until it does, and one that outlasts its claim may be delivered
+// again meanwhile by another dispatcher, with the messages its batch delivered before it and
+// has not marked yet.
 using Delivery = std::function<void(const OutboxMessage&)>;
 
 // Delivers the outbox. Never called on a request's path: messages queued by local steps
