@@ -20,6 +20,14 @@ using namespace pgstore;
 
 namespace {
 
+// A list of strings as one parameter: a JSON array, which the statement reads with
+// json_array_elements_text.
+std::string json_list(std::span<const std::string> items) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const std::string& item : items) list.push_back(item);
+  return list.dump();
+}
+
 // A local step's handle on the store's open transaction. Text-format results, decoded by
 // type, so any column type comes back readable.
 class PgLocal final : public LocalTransaction {
@@ -208,8 +216,6 @@ bool PgStore::commit_step(const KeyId& id, std::int64_t token, std::int64_t orig
 std::vector<AbandonedOperation> PgStore::abandoned(TimePoint idle_before, TimePoint now,
                                                    std::size_t limit,
                                                    std::span<const std::string> operations) {
-  nlohmann::json names = nlohmann::json::array();
-  for (const std::string& op : operations) names.push_back(op);
   Impl& d = *impl_->upkeep;
   return d.locked([&] {
     const Shift sh = d.shift();
@@ -217,7 +223,7 @@ std::vector<AbandonedOperation> PgStore::abandoned(TimePoint idle_before, TimePo
     p.integer(sh.to_db(idle_before))
         .integer(sh.to_db(now))
         .integer(static_cast<std::int64_t>(limit))
-        .text(names.dump());
+        .text(json_list(operations));
     Result r = d.run(kAbandoned, p);
     std::vector<AbandonedOperation> out;
     for (int row = 0; row < PQntuples(r.get()); ++row) {
@@ -264,12 +270,10 @@ std::vector<OutboxMessage> PgStore::claim_outbox(TimePoint now, TimePoint claim_
 
 std::size_t PgStore::outbox_delivered(std::span<const std::string> ids, TimePoint now) {
   if (ids.empty()) return 0;
-  nlohmann::json list = nlohmann::json::array();
-  for (const std::string& id : ids) list.push_back(id);
   Impl& d = *impl_->upkeep;
   return d.locked([&] {
     Params p;
-    p.text(list.dump()).integer(d.shift().to_db(now));
+    p.text(json_list(ids)).integer(d.shift().to_db(now));
     return static_cast<std::size_t>(pg::changed(d.run(kOutboxDelivered, p).get()));
   });
 }
