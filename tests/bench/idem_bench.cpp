@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <latch>
 #include <mutex>
@@ -203,16 +204,33 @@ std::int64_t now_ms() {
       .count();
 }
 
+using KeyAt = std::function<std::string(std::size_t)>;
+
+std::string sequential_key(std::size_t i) { return key_of(i); }
+
+// Keys as clients make them (random, as UUIDs are; the same ones in every run of a process):
+// a fresh key's insert then lands on any leaf of the table, not on the last one as key_of's
+// do. random_keys(n) makes the first n (call it before timing); random_key(i) is the i-th.
+const std::vector<std::string>& random_keys(std::size_t n) {
+  static std::mt19937_64 rng(20261207);
+  static std::vector<std::string> keys;
+  while (keys.size() < n) keys.push_back(fmt::format("{:016x}{:016x}", rng(), rng()));
+  return keys;
+}
+
+std::string random_key(std::size_t i) { return random_keys(i + 1)[i]; }
+
 // n fresh keys through a floor's call(), timed one by one.
 template <class AnyFloor>
-Stats fresh_calls(AnyFloor& f, std::size_t n) {
+Stats fresh_calls(AnyFloor& f, std::size_t n, const KeyAt& key_at = sequential_key) {
   const std::string body = small_response().body;
   std::vector<double> lat;
   lat.reserve(n);
   const auto t0 = Clock::now();
   for (std::size_t i = 0; i < n; ++i) {
+    const std::string key = key_at(i);
     const auto t = Clock::now();
-    f.call(key_of(i), body, now_ms());
+    f.call(key, body, now_ms());
     lat.push_back(micros_since(t));
   }
   return summarize(std::move(lat), micros_since(t0) / 1e6);
@@ -223,9 +241,10 @@ Stats floor_fresh(const Config& c, Synchronous sync, std::size_t n, bool checkpo
   return fresh_calls(f, n);
 }
 
-Stats minimal_floor_fresh(const Config& c, Synchronous sync, std::size_t n) {
+Stats minimal_floor_fresh(const Config& c, Synchronous sync, std::size_t n,
+                          const KeyAt& key_at = sequential_key) {
   MinimalFloor f(fresh_db(c, "minimal-floor"), sync);
-  return fresh_calls(f, n);
+  return fresh_calls(f, n, key_at);
 }
 
 Stats floor_replay(const Config& c, Synchronous sync, std::size_t keys, std::size_t n) {
@@ -257,13 +276,14 @@ std::unique_ptr<Coordinator> make_idem(const std::string& path, Synchronous sync
       std::make_shared<SqliteStore>(path, SqliteOptions{.synchronous = sync}), std::move(options));
 }
 
-Stats idem_fresh_blocking(const Config& c, Synchronous sync, std::size_t n) {
+Stats idem_fresh_blocking(const Config& c, Synchronous sync, std::size_t n,
+                          const KeyAt& key_at = sequential_key) {
   auto idem = make_idem(fresh_db(c, "idem-blocking"), sync);
   std::vector<double> lat;
   lat.reserve(n);
   const auto t0 = Clock::now();
   for (std::size_t i = 0; i < n; ++i) {
-    const Request r = request_for(key_of(i));
+    const Request r = request_for(key_at(i));
     const auto t = Clock::now();
     idem->call(r, small_response);
     lat.push_back(micros_since(t));
@@ -830,6 +850,15 @@ int run_all(const Config& c) {
     const Stats blocking = idem_fresh_blocking(c, sync, calls);
     report.line(fmt::format("{}: idem, one caller, blocking", mode), blocking, &floor);
     report.line(fmt::format("{}: the same against the minimal table", mode), blocking, &minimal);
+    Stats random_minimal, random_blocking;
+    if (sync == Synchronous::normal) {
+      random_keys(calls);
+      random_minimal = minimal_floor_fresh(c, sync, calls, random_key);
+      report.line(fmt::format("{}: naive floor, minimal table, random keys", mode), random_minimal);
+      random_blocking = idem_fresh_blocking(c, sync, calls, random_key);
+      report.line(fmt::format("{}: idem, one caller, blocking, random keys", mode), random_blocking,
+                  &random_minimal);
+    }
     {
       auto idem = make_idem(fresh_db(c, "idem-async1"), sync);
       const Stats s = idem_async(*idem, calls, 1, [](std::size_t i) { return key_of(i); });
@@ -873,13 +902,16 @@ int run_all(const Config& c) {
       constexpr int kPairs = 5;
       std::vector<double> fresh{blocking.per_s / floor.per_s},
           minimal_pairs{blocking.per_s / minimal.per_s}, replay{replay1.per_s / floor_r.per_s},
-          threads{threads8.per_s / blocking.per_s};
+          threads{threads8.per_s / blocking.per_s},
+          random{random_blocking.per_s / random_minimal.per_s};
       for (int pair = 1; pair < kPairs; ++pair) {
         const double m = minimal_floor_fresh(c, sync, calls).per_s;
         const double f = floor_fresh(c, sync, calls).per_s;
         const double i = idem_fresh_blocking(c, sync, calls).per_s;
         fresh.push_back(i / f);
         minimal_pairs.push_back(i / m);
+        const double rm = minimal_floor_fresh(c, sync, calls, random_key).per_s;
+        random.push_back(idem_fresh_blocking(c, sync, calls, random_key).per_s / rm);
         threads.push_back(idem_fresh_threads(c, sync, calls, 8).per_s / i);
         const double r = floor_replay(c, sync, keys, calls).per_s;
         replay.push_back(idem_replay(c, sync, keys, calls).per_s / r);
@@ -887,6 +919,10 @@ int run_all(const Config& c) {
       o["raw"]["fresh_key_ratio_pairs"] = fresh;
       o["raw"]["minimal_fresh_key_ratio_pairs"] = minimal_pairs;
       o["minimal_fresh_key_ratio"] = median(minimal_pairs);
+      o["raw"]["random_key_ratio_pairs"] = random;
+      o["random_key_ratio"] = median(random);
+      o["random_key_calls_per_s"] = random_blocking.per_s;
+      o["random_key_minimal_floor_calls_per_s"] = random_minimal.per_s;
       o["raw"]["threads_ratio_pairs"] = threads;
       o["threads_ratio"] = median(threads);
       o["threads_fresh_calls_per_s"] = threads8.per_s;
@@ -896,9 +932,11 @@ int run_all(const Config& c) {
       o["replay_ratio"] = median(replay);
       report.note(fmt::format(
           "ratios, median of {} back-to-back runs: fresh key {:.2f} (against the minimal table "
-          "{:.2f}), 8 threads against one caller {:.2f}, replay {:.2f}",
+          "{:.2f}; random keys against it {:.2f}), 8 threads against one caller {:.2f}, replay "
+          "{:.2f}",
           kPairs, o["fresh_key_ratio"].get<double>(), o["minimal_fresh_key_ratio"].get<double>(),
-          o["threads_ratio"].get<double>(), o["replay_ratio"].get<double>()));
+          o["random_key_ratio"].get<double>(), o["threads_ratio"].get<double>(),
+          o["replay_ratio"].get<double>()));
       o["concurrent_fresh_calls_per_s"] = concurrent.per_s;
     } else {
       // One durable caller against the naive floor (the minimal table) under FULL, where each
