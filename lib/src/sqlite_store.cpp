@@ -852,12 +852,13 @@ std::size_t SqliteStore::outbox_delivered(std::span<const std::string> ids, Time
   Impl& d = *impl_;
   return d.write([&]() -> std::size_t {
     sqlite::Transaction t(d.tx);
+    Statement& s = d.outbox_delivered;
+    const std::int64_t at = detail::ms(now);
     std::size_t marked = 0;
     for (const std::string& id : ids) {
-      Statement& s = d.outbox_delivered;
       ResetGuard reset(s);
       s.bind(1, id);
-      s.bind(2, detail::ms(now));
+      s.bind(2, at);
       if (Impl::changed(s)) ++marked;
     }
     t.commit();
